@@ -1,0 +1,41 @@
+"""Text environments for multi-turn agent RL, and the plumbing that runs them.
+
+`make(name, **kwargs)` builds an environment by name. Concrete environments are imported
+lazily, so listing or making one never imports another's simulator. This package never
+imports JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from importlib import resources
+
+from environments.base import TextEnv
+
+# name -> "module:ClassName"; each module lives in its own package with its data.
+REGISTRY = {
+    "babyai": "environments.babyai.env:BabyAIEnv",
+    "textcraft": "environments.textcraft.env:TextCraftEnv",
+    "sciworld": "environments.sciworld.env:SciWorldEnv",
+    "searchqa": "environments.searchqa.env:SearchQAEnv",
+}
+
+
+def env_class(name: str) -> type[TextEnv]:
+  if name not in REGISTRY:
+    raise ValueError(f"Unknown environment {name!r}; known: {sorted(REGISTRY)}.")
+  module_name, class_name = REGISTRY[name].split(":")
+  return getattr(importlib.import_module(module_name), class_name)
+
+
+def make(name: str, **kwargs) -> TextEnv:
+  """Builds environment `name` (a key of `REGISTRY`) with its keyword arguments."""
+  return env_class(name)(**kwargs)
+
+
+def task_splits(name: str) -> dict[str, list[int]]:
+  """The train/test task ids shipped with environment `name`: {"train": [...], "test": [...]}."""
+  package = REGISTRY[name].split(":")[0].rsplit(".", 1)[0]
+  with resources.files(package).joinpath("data/splits.json").open() as f:
+    return json.load(f)

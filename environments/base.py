@@ -1,0 +1,122 @@
+"""The text-environment interface every environment implements.
+
+An environment is a `gymnasium.Env` whose observations and actions are strings. The episode
+runner (in `agentgym_jax.rollout`) only ever talks to this interface, through the worker pool
+or over HTTP, so a new environment is one subclass plus one line in `environments.REGISTRY`.
+
+Contract (see DESIGN.md):
+  reset(seed=None, options={"task_id": N}) -> (observation, info)   info["instruction"], ["task_id"]
+  step(action) -> (observation, reward, terminated, truncated, info)  info["success"], ["score"]
+
+`reward` is normalised to [0, 1] unless the environment was made with `reward_mode="paper"`, in
+which case it is the upstream AgentGym server's raw value; `info["score"]` always carries the
+raw value. An environment never raises on a bad action: it answers with an observation that
+says what was wrong, reward 0, and stays alive.
+"""
+
+from __future__ import annotations
+
+import abc
+import string
+from typing import Any
+
+import gymnasium
+from gymnasium import spaces
+
+REWARD_MODES = ("normalized", "paper")
+
+# Observations and actions are free text; the declared charset only documents that.
+_TEXT_SPACE = spaces.Text(max_length=1 << 20, charset=string.printable)
+
+
+class TextEnv(gymnasium.Env, abc.ABC):
+  """Base class: text in, text out, one task instance per `task_id`.
+
+  Subclasses implement `_reset(task_id)`, `_step(action)`, `parse_action`, `format_action`,
+  `expert_action`, and set `name` and `instruction`.
+  """
+
+  name: str = ""
+  # The task instructions shown to the agent as the first user message (action grammar,
+  # Thought/Action format). Written per environment.
+  instruction: str = ""
+  # The agent's canned first reply to the instruction, as in AgentGym's conversation opening.
+  acknowledgement: str = "OK. I'll follow your instructions and try my best to solve the task."
+  metadata = {"render_modes": []}
+  observation_space = _TEXT_SPACE
+  action_space = _TEXT_SPACE
+
+  def __init__(self, reward_mode: str = "normalized"):
+    if reward_mode not in REWARD_MODES:
+      raise ValueError(f"reward_mode must be one of {REWARD_MODES}, got {reward_mode!r}.")
+    self.reward_mode = reward_mode
+    self.task_id: int | None = None
+    self.done = False
+
+  # ----- gymnasium API ---------------------------------------------------------------------
+
+  def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+    super().reset(seed=seed)
+    options = options or {}
+    if "task_id" in options:
+      task_id = int(options["task_id"])
+    elif seed is not None:
+      task_id = int(seed)
+    else:
+      raise ValueError(f"{self.name}: reset needs options={{'task_id': N}} (or a seed).")
+    self.task_id = task_id
+    self.done = False
+    observation, info = self._reset(task_id)
+    info.setdefault("instruction", self.instruction)
+    info["task_id"] = task_id
+    return observation, info
+
+  def step(self, action: str):
+    if self.task_id is None:
+      raise RuntimeError(f"{self.name}: call reset(options={{'task_id': N}}) before step().")
+    if self.done:
+      return ("The episode has ended; reset the environment to start a new task.", 0.0, True,
+              False, {"success": False, "score": 0.0, "task_id": self.task_id})
+    action = sanitize_text(action)
+    observation, reward, terminated, truncated, info = self._step(action)
+    self.done = bool(terminated or truncated)
+    info.setdefault("success", False)
+    info.setdefault("score", reward)
+    info["task_id"] = self.task_id
+    return observation, float(reward), bool(terminated), bool(truncated), info
+
+  # ----- per environment -------------------------------------------------------------------
+
+  @abc.abstractmethod
+  def _reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
+    """Loads task `task_id`; returns the first observation and info."""
+
+  @abc.abstractmethod
+  def _step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    """Applies a sanitised action string."""
+
+  @staticmethod
+  @abc.abstractmethod
+  def parse_action(response: str) -> str:
+    """The action string inside the agent's full response (never raises)."""
+
+  @staticmethod
+  @abc.abstractmethod
+  def format_action(action: str) -> str:
+    """An agent response carrying `action`; `parse_action(format_action(a)) == a`."""
+
+  @abc.abstractmethod
+  def expert_action(self) -> str:
+    """The expert's next action in the current state."""
+
+
+def sanitize_text(text: str | bytes, max_chars: int = 8192) -> str:
+  """Decodes bytes leniently, drops NUL/control characters and caps the length.
+
+  Keeps simulators (a JVM, a regex engine) safe from binary or huge inputs. The caller's
+  parser still decides whether the result is a valid action.
+  """
+  if isinstance(text, bytes):
+    text = text.decode("utf-8", errors="replace")
+  text = str(text)[:max_chars]
+  return "".join(ch for ch in text if ch in "\n\t" or ch.isprintable())

