@@ -19,14 +19,27 @@ REGISTRY = {
     "textcraft": "environments.textcraft.env:TextCraftEnv",
     "sciworld": "environments.sciworld.env:SciWorldEnv",
     "searchqa": "environments.searchqa.env:SearchQAEnv",
+    "scripted": "environments.scripted.env:ScriptedEnv",
+    # Any of the above (or WebArena) behind an AgentGym env server; kwargs url=, env_name=.
+    "remote": "environments.client:RemoteEnv",
 }
 
 
-def env_class(name: str) -> type[TextEnv]:
+def env_class(name: str, env_name: str | None = None) -> type[TextEnv]:
+  """The class of environment `name`.
+
+  For "remote", `env_name` selects the served environment, whose parser and instruction the
+  returned class carries; without it the class parses generic ReAct responses.
+  """
   if name not in REGISTRY:
     raise ValueError(f"Unknown environment {name!r}; known: {sorted(REGISTRY)}.")
   module_name, class_name = REGISTRY[name].split(":")
-  return getattr(importlib.import_module(module_name), class_name)
+  module = importlib.import_module(module_name)
+  if env_name is not None:
+    if name != "remote":
+      raise ValueError(f"env_name={env_name!r} applies to 'remote' only, not {name!r}.")
+    return module.remote_class(env_name)
+  return getattr(module, class_name)
 
 
 def make(name: str, **kwargs) -> TextEnv:

@@ -17,6 +17,7 @@ says what was wrong, reward 0, and stays alive.
 from __future__ import annotations
 
 import abc
+import re
 import string
 from typing import Any
 
@@ -120,3 +121,33 @@ def sanitize_text(text: str | bytes, max_chars: int = 8192) -> str:
     text = text.decode("utf-8", errors="replace")
   text = str(text)[:max_chars]
   return "".join(ch for ch in text if ch in "\n\t" or ch.isprintable())
+
+
+# ----- AgentGym's TextCraft/BabyAI client-side action extraction ----------------------------
+
+# What AgentGym's TextCraft and BabyAI clients answer, without stepping the server, when a
+# response holds more than one "Action:".
+MULTIPLE_ACTIONS_OBSERVATION = (
+    "Error: Only one 'Action' is allowed per response. Please adjust your response.")
+# `parse_single_action`'s result for such a response. It contains characters the sanitiser
+# removes from real actions, so no agent action can equal it.
+MULTIPLE_ACTIONS = "<more than one Action>"
+
+_ACTION_LINE = re.compile(r"Action:\s*(.*?)(?=\n|$)", re.DOTALL)
+_NOT_ACTION_CHAR = re.compile(r"[^A-Za-z0-9, ]+")
+
+
+def parse_single_action(response: str | bytes) -> str:
+  """The action in a ReAct response, as AgentGym's TextCraft and BabyAI clients extract it.
+
+  The text on the line of (or, after blank space, the line following) the only "Action:";
+  `MULTIPLE_ACTIONS` when there are several; "" when there is none. Everything but letters,
+  digits, commas and spaces is removed and runs of white space become one space.
+  """
+  if isinstance(response, bytes):
+    response = response.decode("utf-8", errors="replace")
+  matches = _ACTION_LINE.findall(str(response))
+  if len(matches) > 1:
+    return MULTIPLE_ACTIONS
+  action = _NOT_ACTION_CHAR.sub("", matches[-1]) if matches else ""
+  return " ".join(action.split())

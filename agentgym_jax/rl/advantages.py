@@ -1,0 +1,337 @@
+"""Advantage estimators over multi-turn agent trajectories, chosen by name from `ESTIMATORS`.
+
+Layout of a row (one episode, right-padded to L tokens):
+
+  prompt | agent turn 1 | observation 1 | agent turn 2 | ... | agent turn K | padding
+  mask:  0 ... 0 | 1 ....... 1 | 0 ......... 0 | 1 ....... 1 | ... | 1 ....... 1 | 0 ... 0
+
+`mask` is 1 on the tokens the policy sampled (its end-of-turn token included) and 0 on prompt,
+observation and padding tokens. `rewards` holds the outcome reward on the last agent token (the
+last position where mask is 1), optionally per-turn rewards and a per-token KL penalty
+(`losses.kl_in_reward`) on agent tokens.
+
+Every estimator has the same signature, so the trainer calls `ESTIMATORS[name](...)` blindly:
+
+  advantages, returns = fn(rewards, mask, *, values=None, group_ids=None,
+                           gamma=1.0, lam=1.0, eps=1e-6)
+
+  rewards    [B, L] float       token rewards.
+  mask       [B, L] bool|float  1 on agent tokens.
+  values     [B, L] float       critic values V_t (used by `gae`, ignored by the others).
+  group_ids  [B] int            rows with equal ids are samples of one task (used by the group
+                                estimators `grpo`, `drgrpo`, `rloo`, `reinforce_plus_plus_baseline`).
+  gamma, lam                    discount and GAE lambda (`gae`; `gamma` also for
+                                `reinforce_plus_plus`).
+  eps                           added to the group std (`grpo`).
+  -> advantages [B, L], returns [B, L] (critic targets for `gae`), both 0 where mask is 0, in
+     float32 (float64 when the inputs are float64).
+
+Scalars may be Python floats or traced arrays: new values never recompile. Shapes are checked at
+trace time. All functions are jitted; called inside another jit they are inlined.
+
+Semantics follow verl (`verl/trainer/ppo/core_algos.py`) with two deliberate differences, both
+about multi-turn layouts: (1) `reinforce_plus_plus` carries the return through observation tokens
+(verl multiplies the running return by the mask, so an observation segment cuts every earlier
+turn off from the outcome reward); (2) outputs are 0 on mask-0 positions (verl leaves whitened
+values there, which the loss mask then ignores).
+
+Outcome estimators score a row by s_b = Σ_t rewards[b, t], so where the reward sits in the row
+does not matter to them. Token-level estimators (`gae`, `reinforce_plus_plus`) read rewards on
+agent tokens only, as verl's do: a reward on a mask-0 position is ignored by them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from agentgym_jax.rl.registry import Registry
+
+# verl's `masked_whiten` constant: keeps rsqrt finite when all advantages are equal.
+WHITEN_EPS = 1e-8
+
+
+# name -> estimator with the signature in the module docstring.
+ESTIMATORS: Registry = Registry("advantage estimator")
+
+
+def _prepare(name: str, rewards, mask, values, group_ids, *, need_values: bool = False,
+             need_groups: bool = False):
+  """Checks shapes (at trace time) and casts; returns (rewards, mask, values, group_ids)."""
+  rewards = jnp.asarray(rewards)
+  mask = jnp.asarray(mask)
+  if rewards.ndim != 2:
+    raise ValueError(f"{name}: rewards must be [B, L], got shape {rewards.shape}")
+  if mask.shape != rewards.shape:
+    raise ValueError(f"{name}: mask shape {mask.shape} != rewards shape {rewards.shape}; both "
+                     "must be [B, L] over the same tokens")
+  dtype = jnp.result_type(rewards.dtype, jnp.float32)
+  if need_values:
+    if values is None:
+      raise ValueError(f"{name} needs values=[B, L] from the critic; got values=None")
+    values = jnp.asarray(values)
+    if values.shape != rewards.shape:
+      raise ValueError(f"{name}: values shape {values.shape} != rewards shape {rewards.shape}")
+    dtype = jnp.result_type(dtype, values.dtype)
+    values = values.astype(dtype)
+  if need_groups:
+    if group_ids is None:
+      raise ValueError(f"{name} needs group_ids=[B] (one id per task, shared by its samples); "
+                       "got group_ids=None")
+    group_ids = jnp.asarray(group_ids)
+    if group_ids.shape != rewards.shape[:1]:
+      raise ValueError(f"{name}: group_ids must be [B] = {rewards.shape[:1]}, got shape "
+                       f"{group_ids.shape}")
+  return rewards.astype(dtype), mask.astype(dtype), values, group_ids
+
+
+def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+  """Mean of x [B, L] over positions where mask [B, L] is 1 -> scalar (0 if mask is all 0)."""
+  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def masked_whiten(x: jax.Array, mask: jax.Array) -> jax.Array:
+  """Whitens x [B, L] over the masked tokens of the whole batch -> [B, L], 0 where mask is 0.
+
+  (x - μ) / sqrt(σ² + 1e-8), μ and σ² the masked mean and unbiased (n / (n - 1)) variance, as
+  verl's `masked_whiten`. With n <= 1 masked tokens the result is 0 instead of verl's error.
+  """
+  n = jnp.sum(mask)
+  mean = masked_mean(x, mask)
+  var = jnp.sum(jnp.square(x - mean) * mask) / jnp.maximum(n - 1.0, 1.0)
+  return (x - mean) * lax.rsqrt(var + WHITEN_EPS) * mask
+
+
+def _group_stats(scores: jax.Array, group_ids: jax.Array):
+  """Per-row statistics of the row's group: (mean [B], unbiased std [B], size [B]).
+
+  A [B, B] same-group indicator replaces verl's Python dict of lists: ids can be any integers,
+  no static group count is needed, and the products are elementwise (exact in float32 on every
+  backend, unlike a matmul at default TPU precision). Singleton groups get mean 0 and std 1, as
+  verl: a lone sample has no baseline, so its advantage is its own score.
+  """
+  same = (group_ids[:, None] == group_ids[None, :]).astype(scores.dtype)
+  size = jnp.sum(same, axis=1)
+  mean = jnp.sum(same * scores[None, :], axis=1) / size
+  var = jnp.sum(same * jnp.square(scores[None, :] - mean[:, None]), axis=1) / jnp.maximum(
+      size - 1.0, 1.0)
+  single = size < 2
+  return jnp.where(single, 0.0, mean), jnp.where(single, 1.0, jnp.sqrt(var)), size
+
+
+def _broadcast(row_values: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """[B] -> [B, L] on agent tokens; returned as both advantages and returns (verl's convention)."""
+  adv = row_values[:, None] * mask
+  return adv, adv
+
+
+def _recurrence_scan(a: jax.Array, b: jax.Array) -> jax.Array:
+  """x_t = a_t x_{t+1} + b_t along axis 1 of [B, L], x_L = 0, by a reverse `lax.scan`."""
+
+  def step(x, ab):
+    x = ab[0] * x + ab[1]
+    return x, x
+
+  _, xs = lax.scan(step, jnp.zeros(a.shape[:1], a.dtype), (a.T, b.T), reverse=True)
+  return xs.T
+
+
+def _recurrence_associative(a: jax.Array, b: jax.Array) -> jax.Array:
+  """The same recurrence by `lax.associative_scan`: O(log L) depth instead of L steps.
+
+  Element t is the affine map x -> a_t x + b_t; scanning from the end composes the maps of t..L-1
+  and applies them to x_L = 0, which leaves the offset.
+  """
+
+  def compose(later, earlier):  # earlier ∘ later: apply the later position's map first
+    return later[0] * earlier[0], earlier[0] * later[1] + earlier[1]
+
+  return lax.associative_scan(compose, (a, b), reverse=True, axis=1)[1]
+
+
+def _reverse_recurrence(a: jax.Array, b: jax.Array) -> jax.Array:
+  """x_t = a_t x_{t+1} + b_t, x_L = 0, over [B, L]: the sequential scan on CPU (measured faster,
+  benchmarks/README.md), the log-depth associative scan elsewhere (a 4096-step scan on GPU/TPU is
+  4096 dependent loop iterations)."""
+  return lax.platform_dependent(a, b, cpu=_recurrence_scan, default=_recurrence_associative)
+
+
+def _gae_scan(rewards, values, mask, gamma, lam):
+  """Raw (unwhitened) GAE [B, L]: one reverse scan carrying both V' and A' (fastest on CPU)."""
+
+  def step(carry, xs):
+    next_value, next_adv = carry
+    r, v, m = xs
+    adv = r + gamma * next_value - v + gamma * lam * next_adv
+    next_value = m * v + (1.0 - m) * next_value
+    next_adv = m * adv + (1.0 - m) * next_adv
+    return (next_value, next_adv), next_adv
+
+  zeros = jnp.zeros(rewards.shape[:1], rewards.dtype)
+  _, adv = lax.scan(step, (zeros, zeros), (rewards.T, values.T, mask.T), reverse=True)
+  return adv.T
+
+
+def _gae_associative(rewards, values, mask, gamma, lam):
+  """Raw GAE [B, L] as two affine recurrences, each by associative scan.
+
+    N_t = (1 - m_t) N_{t+1} + m_t V_t         value of the first agent token at or after t
+    A_t = (1 - m_t + m_t γλ) A_{t+1} + m_t δ_t,   δ_t = r_t + γ N_{t+1} - V_t
+  """
+  next_value = _recurrence_associative(1.0 - mask, mask * values)
+  next_value = jnp.concatenate([next_value[:, 1:], jnp.zeros_like(next_value[:, :1])], axis=1)
+  delta = rewards + gamma * next_value - values
+  return _recurrence_associative(mask * (gamma * lam) + (1.0 - mask), mask * delta)
+
+
+@ESTIMATORS.register("gae")
+@jax.jit
+def gae(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=1e-6):
+  """Generalized advantage estimation over agent tokens (Schulman et al. 2016, arXiv 1506.02438).
+
+  Reverse recursion over t with carries V' (value of the next agent token) and A' (advantage of
+  the next agent token), both 0 after the last one (the episode end is terminal):
+
+    agent token (m_t = 1):   δ_t = r_t + γ V' - V_t,   A_t = δ_t + γ λ A',   V' <- V_t, A' <- A_t
+    other token (m_t = 0):   V', A' carried through unchanged
+
+  so an observation segment is skipped, not a reset: the last token of turn k bootstraps from the
+  first token of turn k+1 (verl's multi-turn GAE). returns = A + V (before whitening), then
+  advantages = masked_whiten(A). `group_ids` and `eps` are unused.
+
+  `lax.platform_dependent` picks the recursion's implementation when lowering: one reverse
+  `lax.scan` on CPU, two log-depth associative scans on accelerators (same values).
+
+  Args: see the module docstring; `values` [B, L] is required.
+  Returns: (advantages [B, L], returns [B, L]), 0 where mask is 0.
+  """
+  rewards, mask, values, _ = _prepare("gae", rewards, mask, values, None, need_values=True)
+  gamma = jnp.asarray(gamma, rewards.dtype)
+  lam = jnp.asarray(lam, rewards.dtype)
+  adv = lax.platform_dependent(rewards, values, mask, gamma, lam, cpu=_gae_scan,
+                               default=_gae_associative)
+  return masked_whiten(adv, mask), (adv + values) * mask
+
+
+@ESTIMATORS.register("grpo")
+@jax.jit
+def grpo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=1e-6):
+  """Group-relative outcome advantage (GRPO, Shao et al. 2024, arXiv 2402.03300).
+
+    s_b = Σ_t r_bt,   A_b = (s_b - mean_g) / (std_g + eps)   over the group g of row b,
+
+  std unbiased (ddof = 1), broadcast over the row's agent tokens. Singleton groups use mean 0,
+  std 1 (verl). `values`, `gamma`, `lam` are unused.
+
+  Args: see the module docstring; `group_ids` [B] is required.
+  Returns: (advantages [B, L], returns [B, L]) = (A_b·mask, A_b·mask).
+  """
+  rewards, mask, _, group_ids = _prepare("grpo", rewards, mask, None, group_ids,
+                                         need_groups=True)
+  scores = jnp.sum(rewards, axis=1)
+  mean, std, _ = _group_stats(scores, group_ids)
+  return _broadcast((scores - mean) / (std + eps), mask)
+
+
+@ESTIMATORS.register("drgrpo")
+@jax.jit
+def drgrpo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=1e-6):
+  """GRPO without the std division (Dr.GRPO, Liu et al. 2025, arXiv 2503.20783).
+
+    s_b = Σ_t r_bt,   A_b = s_b - mean_g
+
+  (verl: `grpo` with norm_adv_by_std_in_grpo=False). Pair it with the `seq-mean-token-sum-norm`
+  loss aggregation for the paper's unbiased objective. Singleton groups: A_b = s_b.
+
+  Args: see the module docstring; `group_ids` [B] is required.
+  Returns: (advantages [B, L], returns [B, L]) = (A_b·mask, A_b·mask).
+  """
+  rewards, mask, _, group_ids = _prepare("drgrpo", rewards, mask, None, group_ids,
+                                         need_groups=True)
+  scores = jnp.sum(rewards, axis=1)
+  mean, _, _ = _group_stats(scores, group_ids)
+  return _broadcast(scores - mean, mask)
+
+
+@ESTIMATORS.register("rloo")
+@jax.jit
+def rloo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=1e-6):
+  """REINFORCE leave-one-out (RLOO, Ahmadian et al. 2024, arXiv 2402.14740).
+
+    s_b = Σ_t r_bt,   A_b = s_b - (Σ_{j in g, j != b} s_j) / (n_g - 1) = n_g / (n_g - 1)·(s_b - mean_g)
+
+  Singleton groups have no other sample: A_b = s_b (verl).
+
+  Args: see the module docstring; `group_ids` [B] is required.
+  Returns: (advantages [B, L], returns [B, L]) = (A_b·mask, A_b·mask).
+  """
+  rewards, mask, _, group_ids = _prepare("rloo", rewards, mask, None, group_ids,
+                                         need_groups=True)
+  scores = jnp.sum(rewards, axis=1)
+  mean, _, size = _group_stats(scores, group_ids)
+  scale = jnp.where(size > 1, size / jnp.maximum(size - 1.0, 1.0), 1.0)
+  return _broadcast(scale * (scores - mean), mask)
+
+
+@ESTIMATORS.register("reinforce_plus_plus")
+@jax.jit
+def reinforce_plus_plus(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0,
+                        eps=1e-6):
+  """REINFORCE++ (Hu 2025, arXiv 2501.03262): discounted return-to-go, whitened over the batch.
+
+    agent token:  G_t = r_t + γ G'  and G' <- G_t;   other token: G' carried;   G' = 0 at the end
+    advantages = masked_whiten(G),  returns = G.
+
+  The discount counts agent tokens only, and the return crosses observation segments, so every
+  turn sees the outcome reward (verl resets G at each mask-0 token, which in a multi-turn row
+  zeroes every turn but the last). `values`, `group_ids`, `lam`, `eps` are unused.
+
+  Args: see the module docstring.
+  Returns: (advantages [B, L], returns [B, L]), 0 where mask is 0.
+  """
+  rewards, mask, _, _ = _prepare("reinforce_plus_plus", rewards, mask, None, None)
+  returns = _reverse_recurrence(mask * gamma + (1.0 - mask), mask * rewards) * mask
+  return masked_whiten(returns, mask), returns
+
+
+@ESTIMATORS.register("reinforce_plus_plus_baseline")
+@jax.jit
+def reinforce_plus_plus_baseline(rewards, mask, *, values=None, group_ids=None, gamma=1.0,
+                                 lam=1.0, eps=1e-6):
+  """REINFORCE++ with a group-mean baseline (Hu 2025, arXiv 2501.03262; verl's `_baseline`).
+
+    s_b = Σ_t r_bt,   a_bt = (s_b - mean_g)·m_bt,   advantages = masked_whiten(a)
+
+  whitened over all agent tokens of the batch. Singleton groups use mean 0.
+
+  Args: see the module docstring; `group_ids` [B] is required.
+  Returns: (advantages [B, L], returns [B, L]), equal, 0 where mask is 0.
+  """
+  rewards, mask, _, group_ids = _prepare("reinforce_plus_plus_baseline", rewards, mask, None,
+                                         group_ids, need_groups=True)
+  scores = jnp.sum(rewards, axis=1)
+  mean, _, _ = _group_stats(scores, group_ids)
+  adv = masked_whiten((scores - mean)[:, None] * mask, mask)
+  return adv, adv
+
+
+def outcome_rewards(scores: jax.Array, mask: jax.Array) -> jax.Array:
+  """Places one outcome score per row on its last agent token.
+
+  Args:
+    scores: [B] float, one outcome per episode.
+    mask: [B, L] bool|float, 1 on agent tokens.
+  Returns:
+    rewards [B, L]: scores[b] at the last position where mask[b] is 1, 0 elsewhere; an all-masked
+    row gets no reward (it has no agent token to carry it).
+  """
+  scores = jnp.asarray(scores)
+  mask = jnp.asarray(mask).astype(bool)
+  if mask.ndim != 2 or scores.shape != mask.shape[:1]:
+    raise ValueError(f"outcome_rewards: scores must be [B] and mask [B, L]; got {scores.shape} "
+                     f"and {mask.shape}")
+  positions = jnp.arange(mask.shape[1])
+  last = jnp.max(jnp.where(mask, positions, -1), axis=1)
+  dtype = jnp.result_type(scores.dtype, jnp.float32)
+  return jnp.where(positions[None, :] == last[:, None], scores[:, None], 0.0).astype(dtype)

@@ -1,0 +1,299 @@
+"""Multi-turn episode runner: B tasks x n samples against an environment pool, one KV cache.
+
+Each episode is one row of a KV cache that lives for the whole rollout. A turn is two compiled
+calls for all active rows together: `extend` appends what is new since the row's last turn
+(its previous reply's last token, the observation chunk, or the whole opening at turn 0), then
+`decode` samples the reply. Nothing is ever re-encoded: the trajectory's tokens are the opening,
+the sampled ids and the observation chunks, exactly as the model saw them.
+
+Episodes end when the environment terminates or truncates them, at `max_turns`, or when the
+next turn could overflow `max_context` (reply cap included); the final observation is then not
+appended (no later agent token would use it). Finished episodes leave the active set; when at
+most half the rows are still running the cache is compacted to a batch half the size (a few
+more compilations, then every decode step is cheaper).
+
+Randomness: episode e draws with key fold_in(fold_in(split(rng, B)[e], turn), step), so its
+samples do not depend on which other episodes share the batch or on compaction.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from agentgym_jax.models import KVCache
+from agentgym_jax.rollout import sampler
+from agentgym_jax.rollout.sampler import SamplingConfig
+from agentgym_jax.rollout.trajectory import Episode, Trajectory, build_trajectory
+from agentgym_jax.tokenization import ChatTokenizer
+
+DEFAULT_ACKNOWLEDGEMENT = "OK. I'll follow your instructions and try my best to solve the task."
+
+
+def _as_key(rng: Any) -> jax.Array:
+  if isinstance(rng, int):
+    return jax.random.key(rng)
+  if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
+    return rng
+  return jax.random.wrap_key_data(jnp.asarray(rng, jnp.uint32))
+
+
+@jax.jit
+def _turn_keys(keys: jax.Array, turn: jax.Array) -> jax.Array:
+  """[B] keys -> [B] keys folded with this turn's number."""
+  return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, turn)
+
+
+@jax.jit
+def _take_rows(cache: KVCache, logits: jax.Array, rows: jax.Array) -> tuple[KVCache, jax.Array]:
+  """Gathers cache rows `rows` [B'] (compaction)."""
+  return (KVCache(k=cache.k[:, rows], v=cache.v[:, rows], lengths=cache.lengths[rows]),
+          logits[rows])
+
+
+class _Batch:
+  """The device-side state: KV cache rows, their episodes and the pending logits."""
+
+  def __init__(self, graphdef, state, rows: int, max_len: int, vocab: int,
+               mesh: Mesh | None, cache_dtype):
+    cfg = nnx.merge(graphdef, state).cfg
+    self.graphdef, self.state, self.mesh = graphdef, state, mesh
+    self.cache = self._put(KVCache.init(cfg, rows, max_len, cache_dtype))
+    self.logits = self._put(jnp.zeros((rows, vocab), jnp.float32))
+    self.episode_of_row = np.full((rows,), -1, np.int64)
+
+  @property
+  def rows(self) -> int:
+    return self.episode_of_row.shape[0]
+
+  def _put(self, tree):
+    if self.mesh is None:
+      return tree
+    # Imported here so that a mesh-less rollout never touches the sharding helpers.
+    from agentgym_jax import sharding  # pylint: disable=import-outside-toplevel
+
+    def put(x):
+      if x.ndim == 5:  # cache buffers [layers, B, kv_heads, S, head_dim]
+        return jax.device_put(x, sharding.cache_sharding(self.mesh, x.shape))
+      return sharding.shard_batch(x, self.mesh)
+    return jax.tree.map(put, tree)
+
+  def extend(self, chunks: list[list[int]], max_chunk: int, pad_id: int) -> None:
+    """Appends chunks[row] to every row (pieces of at most max_chunk tokens)."""
+    offset = 0
+    while True:
+      pieces = [c[offset:offset + max_chunk] for c in chunks]
+      longest = max(len(p) for p in pieces)
+      if longest == 0:
+        return
+      width = sampler.chunk_bucket(longest)
+      tokens = np.full((self.rows, width), pad_id, np.int32)
+      for row, piece in enumerate(pieces):
+        tokens[row, :len(piece)] = piece
+      num_new = np.asarray([len(p) for p in pieces], np.int32)
+      self.cache, self.logits = sampler.extend(
+          self.graphdef, self.state, self.cache, self.logits, self._put(tokens),
+          self._put(num_new))
+      offset += max_chunk
+
+  def decode(self, active: np.ndarray, keys: jax.Array, caps: np.ndarray,
+             end_ids: tuple[int, ...], sampling: SamplingConfig):
+    self.cache, tokens, logprobs, counts = sampler.decode(
+        self.graphdef, self.state, self.cache, self.logits, self._put(active), keys,
+        self._put(caps), end_ids, sampling)
+    return jax.device_get((tokens, logprobs, counts))
+
+  def compact(self, keep: np.ndarray, rows: int) -> None:
+    """Keeps rows `keep` (in order) in a batch of `rows` rows."""
+    order = np.concatenate([keep, np.setdiff1d(np.arange(self.rows), keep)])[:rows]
+    self.cache, self.logits = _take_rows(self.cache, self.logits, self._put(order))
+    self.cache, self.logits = self._put(self.cache), self._put(self.logits)
+    self.episode_of_row = np.where(np.arange(rows) < len(keep), self.episode_of_row[order], -1)
+
+
+def _opening(info: dict[str, Any], observation: str, system_prompt: str | None,
+             acknowledgement: str) -> list[dict[str, str]]:
+  messages = []
+  if system_prompt is not None:
+    messages.append({"role": "system", "content": system_prompt})
+  instruction = info.get("instruction", "")
+  if instruction:
+    messages.append({"role": "user", "content": instruction})
+    messages.append({"role": "assistant",
+                     "content": info.get("acknowledgement", acknowledgement)})
+  messages.append({"role": "user", "content": observation})
+  return messages
+
+
+def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, pool: Any,
+                 task_ids: Sequence[int], group_size: int = 1, max_turns: int = 10,
+                 sampling: SamplingConfig = SamplingConfig(), max_context: int = 4096,
+                 rng: Any = 0, system_prompt: str | None = None, mesh: Mesh | None = None,
+                 acknowledgement: str | None = None, max_chunk: int = 512,
+                 compact: bool = True, cache_dtype=jnp.float32
+                 ) -> tuple[Trajectory, dict[str, Any]]:
+  """Runs len(task_ids) * group_size episodes to the end and returns them as a Trajectory.
+
+  Args:
+    graphdef, state: `nnx.split(decoder)` (state may be sharded on `mesh`).
+    tok: the ChatTokenizer of the model.
+    pool: an `environments.workers.EnvPool`, or anything with its `reset(task_ids)` /
+      `step(slots, responses)` interface returning outcomes with observation, reward,
+      terminated, truncated, info. Slots 0..B-1 are (re)started here.
+    task_ids: tasks; each runs `group_size` times (rows i*n .. i*n+n-1 share group_id i).
+    max_turns: agent turns per episode at most (the horizon).
+    sampling: temperature / top-p / top-k / per-turn token cap.
+    max_context: tokens per episode at most; a turn starts only if its reply fits.
+    rng: PRNG key (typed or raw) or int seed.
+    system_prompt: system message; None leaves it to the chat template (Qwen2.5 then inserts
+      its default system line).
+    mesh: shard the batch over its (data, fsdp) axes.
+    acknowledgement: the agent's canned reply to the instruction; default: the environment's
+      (`info["acknowledgement"]`, else the pool's env class attribute, else AgentGym's).
+    max_chunk: longest chunk appended in one extend call (longer ones are split).
+    compact: shrink the batch when at most half the rows are still running.
+    cache_dtype: KV cache dtype.
+
+  Returns:
+    The Trajectory [B, L] (B = len(task_ids) * group_size) and stats: scalar metrics, plus
+    "turn_seconds" (wall time of each turn) and "episodes" (the host-side `Episode` records,
+    with stop reasons and the conversation as text).
+  """
+  if group_size < 1 or max_turns < 1:
+    raise ValueError(f"group_size and max_turns must be >= 1, got {group_size}, {max_turns}.")
+  start = time.perf_counter()
+  key = _as_key(rng)
+  episodes = [Episode(task_id=int(t), group_id=g)
+              for g, t in enumerate(task_ids) for _ in range(group_size)]
+  num = len(episodes)
+  if num == 0:
+    raise ValueError("run_episodes needs at least one task id.")
+  if acknowledgement is None:
+    acknowledgement = getattr(getattr(pool, "env_cls", None), "acknowledgement",
+                              DEFAULT_ACKNOWLEDGEMENT)
+  cap = sampling.max_reply_tokens
+  eot = tok.end_of_turn_ids[0]
+  end_ids = tuple(tok.end_of_turn_ids)
+
+  # ----- reset and openings -------------------------------------------------------------
+  outcomes = pool.reset([e.task_id for e in episodes])
+  running = np.zeros(num, bool)
+  for i, (e, out) in enumerate(zip(episodes, outcomes)):
+    e.messages = _opening(out.info, out.observation, system_prompt, acknowledgement)
+    e.append(tok.encode_opening(e.messages), turn=-1)
+    if out.terminated or out.truncated:
+      e.finish("error" if "error" in out.info else "terminated", terminated=out.terminated,
+               truncated=out.truncated)
+    elif len(e.tokens) + cap > max_context:
+      e.finish("context", truncated=True)
+    else:
+      running[i] = True
+
+  shards = 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp"))
+  rows = -(-num // shards) * shards
+  max_len = -(-max_context // 128) * 128
+  state_vocab = nnx.merge(graphdef, state).cfg.vocab_size
+  batch = _Batch(graphdef, state, rows, max_len, state_vocab, mesh, cache_dtype)
+  batch.episode_of_row[:num] = np.arange(num)
+  episode_keys = jax.random.split(key, num)
+  in_cache = np.zeros(num, np.int64)  # tokens of each episode already in its cache row
+  ended_on_cap = np.zeros(num, bool)
+  turn_seconds, env_seconds, sampled = [], 0.0, 0
+
+  for turn in range(max_turns):
+    if not running.any():
+      break
+    turn_start = time.perf_counter()
+    if compact and running.sum() * 2 <= batch.rows:
+      target = batch.rows
+      while target % 2 == 0 and (target // 2) % shards == 0 and running.sum() * 2 <= target:
+        target //= 2
+      if target < batch.rows:
+        live = np.flatnonzero([ep >= 0 and running[ep] for ep in batch.episode_of_row])
+        batch.compact(live, target)
+    row_eps = batch.episode_of_row
+    active = np.asarray([ep >= 0 and running[ep] for ep in row_eps])
+    chunks = [episodes[ep].tokens[in_cache[ep]:] if act else []
+              for ep, act in zip(row_eps, active)]
+    batch.extend(chunks, max_chunk, tok.pad_id)
+    for ep, act in zip(row_eps, active):
+      if act:
+        in_cache[ep] = len(episodes[ep].tokens)
+    # Rows without an episode reuse key 0; they are inactive and sample nothing.
+    keys = _turn_keys(episode_keys[np.maximum(row_eps, 0)], jnp.int32(turn))
+    tokens, logprobs, counts = batch.decode(active, keys, np.full(batch.rows, cap, np.int32),
+                                            end_ids, sampling)
+
+    slots, responses = [], []
+    for row, ep in enumerate(row_eps):
+      if not active[row]:
+        continue
+      e, n = episodes[ep], int(counts[row])
+      ids = tokens[row, :n].tolist()
+      e.append(ids, turn=turn, logprobs=logprobs[row, :n])
+      in_cache[ep] += n - 1  # the last sampled token is fed with the next chunk
+      sampled += n
+      ended_on_cap[ep] = ids[-1] not in end_ids
+      reply = ids if ended_on_cap[ep] else ids[:-1]
+      text = tok.decode(reply)
+      e.messages.append({"role": "assistant", "content": text})
+      slots.append(ep)
+      responses.append(text)
+    env_start = time.perf_counter()
+    outcomes = pool.step(slots, responses)
+    env_seconds += time.perf_counter() - env_start
+
+    for ep, out in zip(slots, outcomes):
+      e = episodes[ep]
+      e.num_turns += 1
+      e.reward = float(out.reward)
+      e.turn_rewards[-1] = float(out.reward)
+      e.success = bool(out.info.get("success", False))
+      e.score = float(out.info.get("score", out.reward))
+      e.messages.append({"role": "user", "content": out.observation})
+      if out.terminated or out.truncated:
+        reason = ("error" if "error" in out.info else
+                  "terminated" if out.terminated else "env_truncated")
+        e.finish(reason, terminated=out.terminated, truncated=out.truncated)
+      elif e.num_turns >= max_turns:
+        e.finish("max_turns", truncated=True)
+      else:
+        # A reply cut off by the cap is closed with the end-of-turn token it never sampled
+        # (loss_mask 0), so the next turn sees a well-formed conversation.
+        chunk = ([eot] if ended_on_cap[ep] else []) + tok.encode_observation(out.observation)
+        if len(e.tokens) + len(chunk) + cap > max_context:
+          e.finish("context", truncated=True)
+        else:
+          e.append(chunk, turn=turn)
+      running[ep] = not e.stop_reason
+    turn_seconds.append(time.perf_counter() - turn_start)
+
+  for e in episodes:
+    if not e.stop_reason:  # only when max_turns allowed no turn at all
+      e.finish("max_turns", truncated=True)
+  traj = build_trajectory(episodes, tok.pad_id)
+  reasons = collections.Counter(e.stop_reason for e in episodes)
+  stats: dict[str, Any] = {
+      "episodes/count": num,
+      "episodes/success_rate": float(np.mean([e.success for e in episodes])),
+      "episodes/reward_mean": float(np.mean([e.reward for e in episodes])),
+      "episodes/turns_mean": float(np.mean([e.num_turns for e in episodes])),
+      "episodes/tokens_mean": float(np.mean([len(e.tokens) for e in episodes])),
+      "rollout/sampled_tokens": sampled,
+      "rollout/seconds": time.perf_counter() - start,
+      "rollout/env_seconds": env_seconds,
+      **{f"stop/{r}": float(reasons[r]) / num for r in
+         ("terminated", "env_truncated", "error", "max_turns", "context")},
+      "turn_seconds": turn_seconds,
+      "episodes": episodes,
+  }
+  return traj, stats

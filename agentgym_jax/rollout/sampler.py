@@ -1,0 +1,220 @@
+"""Jitted sampling against a live KV cache: extend (prefill) and a per-turn decode loop.
+
+The two compiled programs of a rollout:
+
+* `extend(graphdef, state, cache, logits, tokens, num_new)` appends a right-padded chunk
+  [B, T] to every row of the cache at that row's own fill level (prefill of the opening, or
+  the observation that follows a turn) and returns the next-token logits of each row. T is bucketed by the
+  caller (`chunk_bucket`), so a run compiles it a handful of times.
+* `decode(graphdef, state, cache, logits, active, keys, caps, end_ids, sampling)` samples one
+  agent turn for every active row inside ONE `lax.while_loop`: sample, feed the token back,
+  repeat until every row has produced an end-of-turn token or reached its cap. It compiles once
+  per (batch size, cache length, sampling config).
+
+Both donate the cache, so XLA updates it in place.
+
+The last token a row samples (its end-of-turn token, or the token that hit the cap) is NOT fed
+to the cache by `decode`: it becomes the first token of the row's next `extend` chunk. That
+saves one forward step per turn and keeps "what is in the cache" equal to "what precedes the
+next chunk".
+
+Log-probabilities: `sample_logprobs` is the log-probability of the sampled token under the
+temperature-scaled FULL softmax, log softmax(logits / T), before top-k/top-p filtering (under
+softmax(logits) when greedy). At T = 1 it therefore equals the log-prob a plain forward pass
+gives the same token, which is what PPO's "old log-probs" recompute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from agentgym_jax.models import KVCache
+
+_NEG_INF = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How an agent turn is sampled (hashable: a static argument of the decode program).
+
+  Attributes:
+    temperature: softmax temperature; 0 means greedy (argmax).
+    top_p: nucleus sampling; keep the smallest set of most likely tokens whose probability
+      reaches top_p (1.0 = off).
+    top_k: keep the k most likely tokens (0 = off).
+    max_reply_tokens: per-turn cap on sampled tokens (the end-of-turn token included).
+  """
+
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  max_reply_tokens: int = 256
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}.")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}.")
+    if self.max_reply_tokens < 1:
+      raise ValueError(f"max_reply_tokens must be >= 1, got {self.max_reply_tokens}.")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0 or self.top_k == 1
+
+
+def chunk_bucket(n: int, minimum: int = 16) -> int:
+  """The static chunk length used for `n` new tokens: the next power of two >= max(n, minimum)."""
+  size = minimum
+  while size < n:
+    size *= 2
+  return size
+
+
+def filter_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+  """Temperature-scaled logits with everything outside top-k / top-p set to -1e30.
+
+  Args:
+    logits: [B, V] float32.
+
+  Returns:
+    [B, V] float32; ties at the cut-off are kept.
+  """
+  scaled = logits / sampling.temperature
+  if sampling.top_k > 0:
+    kth = jax.lax.top_k(scaled, sampling.top_k)[0][:, -1:]
+    scaled = jnp.where(scaled >= kth, scaled, _NEG_INF)
+  if sampling.top_p < 1.0:
+    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(ordered, axis=-1)
+    # Probability mass strictly before each token in sorted order: keep a token while that
+    # mass is below top_p, so the most likely token always survives.
+    before = jnp.cumsum(probs, axis=-1) - probs
+    kept = jnp.sum(before < sampling.top_p, axis=-1, keepdims=True)
+    cutoff = jnp.take_along_axis(ordered, kept - 1, axis=-1)
+    scaled = jnp.where(scaled >= cutoff, scaled, _NEG_INF)
+  return scaled
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, sampling: SamplingConfig
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Draws one token per row.
+
+  Args:
+    logits: [B, V] float32 next-token logits.
+    keys: [B] typed PRNG keys, one stream per row.
+    sampling: the SamplingConfig.
+
+  Returns:
+    tokens [B] int32 and their log-probs [B] float32 under log softmax(logits / T) (the full,
+    unfiltered distribution; T = 1 when greedy).
+  """
+  if sampling.greedy:
+    tokens = jnp.argmax(logits, axis=-1)
+    scale = 1.0 if sampling.temperature == 0.0 else sampling.temperature
+    logprobs = jax.nn.log_softmax(logits / scale, axis=-1)
+  else:
+    filtered = filter_logits(logits, sampling)
+    tokens = jax.vmap(jax.random.categorical)(keys, filtered)
+    logprobs = jax.nn.log_softmax(logits / sampling.temperature, axis=-1)
+  tokens = tokens.astype(jnp.int32)
+  return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def _last_logits(model, tokens: jax.Array, num_new: jax.Array, cache: KVCache
+                 ) -> tuple[jax.Array, KVCache]:
+  """Extends the cache; logits [B, V] at each row's last new token (only that row of hidden
+  states goes through the LM head, which matters for 150k vocabularies)."""
+  hidden, cache = model.backbone.extend(tokens, num_new, cache)
+  last = jnp.maximum(num_new - 1, 0)
+  h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
+  return model.logits_from_hidden(h)[:, 0], cache
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "logits"))
+def extend(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax.Array,
+           tokens: jax.Array, num_new: jax.Array) -> tuple[KVCache, jax.Array]:
+  """Appends a chunk to each row of the cache.
+
+  Args:
+    graphdef, state: `nnx.split(decoder)`.
+    cache: KVCache with B rows (donated).
+    logits: [B, V] float32, each row's current next-token logits (donated); kept for rows
+      with num_new == 0, so a long chunk can be appended in several calls.
+    tokens: [B, T] int32, right-padded; row b's first num_new[b] tokens are real.
+    num_new: [B] int32 in 0..T (0: the row does not advance).
+
+  Returns:
+    The cache (lengths += num_new) and logits [B, V] float32 after each row's last token.
+  """
+  model = nnx.merge(graphdef, state)
+  new_logits, cache = _last_logits(model, tokens, num_new, cache)
+  return cache, jnp.where((num_new > 0)[:, None], new_logits, logits)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "end_ids", "sampling"),
+                   donate_argnames=("cache",))
+def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax.Array,
+           active: jax.Array, keys: jax.Array, caps: jax.Array, end_ids: tuple[int, ...],
+           sampling: SamplingConfig) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
+  """Samples one agent turn for every active row, in one while loop.
+
+  Step i draws token i of every unfinished row from its current logits with key
+  fold_in(keys[b], i); a row finishes on any `end_ids` token or after caps[b] tokens. Tokens of
+  unfinished rows are fed back (extend with T = 1; finished rows do not advance).
+
+  Args:
+    graphdef, state: `nnx.split(decoder)`.
+    cache: KVCache holding everything before `logits` except nothing pending (donated).
+    logits: [B, V] float32, next-token logits of each row (from `extend`).
+    active: [B] bool, rows that sample a turn.
+    keys: [B] typed PRNG keys, one per row for this turn.
+    caps: [B] int32, per-row token cap, 1..sampling.max_reply_tokens.
+    end_ids: end-of-turn token ids.
+    sampling: the SamplingConfig (static).
+
+  Returns:
+    cache (the last sampled token of each row is not in it), tokens [B, N] int32,
+    logprobs [B, N] float32 (N = sampling.max_reply_tokens; entries past a row's count are
+    0), counts [B] int32 (tokens sampled per row; 0 for inactive rows).
+  """
+  model = nnx.merge(graphdef, state)
+  b, n = logits.shape[0], sampling.max_reply_tokens
+  ends = jnp.asarray(end_ids, jnp.int32)
+  caps = jnp.minimum(caps, n)
+
+  def draw(i, step_logits, running, tokens, logprobs, counts):
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
+    tok, lp = sample_tokens(step_logits, step_keys, sampling)
+    tokens = tokens.at[:, i].set(jnp.where(running, tok, 0))
+    logprobs = logprobs.at[:, i].set(jnp.where(running, lp, 0.0))
+    counts = counts + running.astype(jnp.int32)
+    stop = jnp.any(tok[:, None] == ends[None, :], axis=-1) | (counts >= caps)
+    return tok, tokens, logprobs, counts, running & ~stop
+
+  tokens = jnp.zeros((b, n), jnp.int32)
+  logprobs = jnp.zeros((b, n), jnp.float32)
+  counts = jnp.zeros((b,), jnp.int32)
+  tok, tokens, logprobs, counts, running = draw(0, logits, active, tokens, logprobs, counts)
+
+  def cond(carry):
+    i, _, _, _, _, _, running = carry
+    return (i < n) & jnp.any(running)
+
+  def body(carry):
+    i, cache, tok, tokens, logprobs, counts, running = carry
+    step_logits, cache = _last_logits(model, tok[:, None], running.astype(jnp.int32), cache)
+    tok, tokens, logprobs, counts, running = draw(i, step_logits, running, tokens, logprobs,
+                                                  counts)
+    return i + 1, cache, tok, tokens, logprobs, counts, running
+
+  carry = (jnp.int32(1), cache, tok, tokens, logprobs, counts, running)
+  _, cache, _, tokens, logprobs, counts, _ = jax.lax.while_loop(cond, body, carry)
+  return cache, tokens, logprobs, counts

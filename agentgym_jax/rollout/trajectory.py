@@ -1,0 +1,211 @@
+"""The `Trajectory` batch: finished episodes as right-padded token arrays, plus a JSONL view.
+
+One row per episode holds the whole interaction as ONE token sequence: the opening prompt, then
+for each turn the agent's sampled tokens (ending in its end-of-turn token) and the observation
+chunk that follows. The arrays are what the trainer consumes; lengths are bucketed
+(`bucket_length`) so the jitted update compiles for a few static shapes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class Trajectory:
+  """A batch of B finished episodes, right-padded to L tokens.
+
+  Per token, [B, L]:
+    tokens: int32 ids (pad id past the end).
+    positions: int32 position of each token (t; the model's forward uses the same).
+    valid: bool, not padding.
+    loss_mask: bool, tokens the policy sampled, incl. each turn's end-of-turn token.
+    sample_logprobs: float32 log-prob of each sampled token under the sampler's temperature-
+      scaled full softmax (0 where loss_mask is 0).
+    rewards: float32 outcome reward on the episode's last agent token (the last position with
+      loss_mask 1), 0 elsewhere.
+    turn_rewards: float32 each environment step's own reward on the last sampled token of the
+      turn that caused it (for turn-level credit assignment), 0 elsewhere.
+    turn_index: int32 agent turn of each token: -1 for the opening prompt, t for the turn-t
+      reply and the observation that answers it.
+  Per episode, [B]:
+    task_id, group_id (shared by the n samples of one task), num_turns: int32.
+    success, terminated, truncated: bool. score: float32 (the environment's raw score).
+  """
+
+  tokens: jax.Array
+  positions: jax.Array
+  valid: jax.Array
+  loss_mask: jax.Array
+  sample_logprobs: jax.Array
+  rewards: jax.Array
+  turn_rewards: jax.Array
+  turn_index: jax.Array
+  task_id: jax.Array
+  group_id: jax.Array
+  num_turns: jax.Array
+  success: jax.Array
+  score: jax.Array
+  terminated: jax.Array
+  truncated: jax.Array
+
+  @property
+  def batch_size(self) -> int:
+    return self.tokens.shape[0]
+
+  @property
+  def length(self) -> int:
+    return self.tokens.shape[1]
+
+
+@dataclasses.dataclass
+class Episode:
+  """Host-side record of one episode while it runs (lists grow turn by turn).
+
+  `messages` is the conversation as text (for inspection); `stop_reason` is one of
+  "terminated", "env_truncated", "error", "max_turns", "context".
+  """
+
+  task_id: int
+  group_id: int
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  loss_mask: list[bool] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  turn_index: list[int] = dataclasses.field(default_factory=list)
+  turn_rewards: list[float] = dataclasses.field(default_factory=list)
+  messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
+  num_turns: int = 0
+  reward: float = 0.0
+  success: bool = False
+  score: float = 0.0
+  terminated: bool = False
+  truncated: bool = False
+  stop_reason: str = ""
+
+  def append(self, ids: Sequence[int], turn: int, logprobs: Sequence[float] | None = None
+             ) -> None:
+    """Adds tokens; with `logprobs` they are sampled tokens (loss_mask 1)."""
+    self.tokens.extend(int(i) for i in ids)
+    self.turn_index.extend([turn] * len(ids))
+    self.turn_rewards.extend([0.0] * len(ids))
+    if logprobs is None:
+      self.loss_mask.extend([False] * len(ids))
+      self.logprobs.extend([0.0] * len(ids))
+    else:
+      self.loss_mask.extend([True] * len(ids))
+      self.logprobs.extend(float(x) for x in logprobs)
+
+  def finish(self, reason: str, terminated: bool = False, truncated: bool = False) -> None:
+    self.stop_reason = reason
+    self.terminated = terminated
+    self.truncated = truncated
+
+
+def bucket_length(n: int, minimum: int = 64) -> int:
+  """Smallest size >= n of the form 2^k or 3 * 2^(k-1) (64, 96, 128, 192, 256, ...).
+
+  Padding waste stays under a third while a run sees only a few distinct lengths.
+  """
+  size = minimum
+  while True:
+    if size >= n:
+      return size
+    if size * 3 // 2 >= n:
+      return size * 3 // 2
+    size *= 2
+
+
+def build_trajectory(episodes: Sequence[Episode], pad_id: int, length: int | None = None
+                     ) -> Trajectory:
+  """Packs finished episodes into a Trajectory of length `length` (default: bucketed max).
+
+  Raises:
+    ValueError: an episode is longer than `length`.
+  """
+  longest = max((len(e.tokens) for e in episodes), default=0)
+  length = bucket_length(longest) if length is None else length
+  if longest > length:
+    raise ValueError(f"An episode has {longest} tokens but the trajectory length is {length}.")
+  b = len(episodes)
+  tokens = np.full((b, length), pad_id, np.int32)
+  valid = np.zeros((b, length), bool)
+  loss_mask = np.zeros((b, length), bool)
+  logprobs = np.zeros((b, length), np.float32)
+  rewards = np.zeros((b, length), np.float32)
+  turn_rewards = np.zeros((b, length), np.float32)
+  turn_index = np.full((b, length), -1, np.int32)
+  for row, e in enumerate(episodes):
+    n = len(e.tokens)
+    tokens[row, :n] = e.tokens
+    valid[row, :n] = True
+    loss_mask[row, :n] = e.loss_mask
+    logprobs[row, :n] = e.logprobs
+    turn_rewards[row, :n] = e.turn_rewards
+    turn_index[row, :n] = e.turn_index
+    agent = np.flatnonzero(loss_mask[row])
+    if agent.size:
+      rewards[row, agent[-1]] = e.reward
+  positions = np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy()
+
+  def per_episode(field, dtype):
+    return np.asarray([getattr(e, field) for e in episodes], dtype)
+
+  return Trajectory(
+      tokens=tokens, positions=positions, valid=valid, loss_mask=loss_mask,
+      sample_logprobs=logprobs, rewards=rewards, turn_rewards=turn_rewards,
+      turn_index=turn_index, task_id=per_episode("task_id", np.int32),
+      group_id=per_episode("group_id", np.int32), num_turns=per_episode("num_turns", np.int32),
+      success=per_episode("success", bool), score=per_episode("score", np.float32),
+      terminated=per_episode("terminated", bool), truncated=per_episode("truncated", bool))
+
+
+def segments(traj: Trajectory, row: int) -> list[dict[str, Any]]:
+  """Splits row `row` into maximal runs of one role: "prompt", "agent" or "observation".
+
+  Each segment: {"role", "turn", "start", "tokens"} (start = index of its first token).
+  """
+  tokens = np.asarray(traj.tokens[row])
+  n = int(np.asarray(traj.valid[row]).sum())
+  mask = np.asarray(traj.loss_mask[row])
+  turns = np.asarray(traj.turn_index[row])
+  out: list[dict[str, Any]] = []
+  for t in range(n):
+    role = "prompt" if turns[t] < 0 else "agent" if mask[t] else "observation"
+    if not out or out[-1]["role"] != role or out[-1]["turn"] != int(turns[t]):
+      out.append({"role": role, "turn": int(turns[t]), "start": t, "tokens": []})
+    out[-1]["tokens"].append(int(tokens[t]))
+  return out
+
+
+def save_jsonl(path: str, traj: Trajectory, decode, episodes: Sequence[Episode] | None = None
+               ) -> None:
+  """Writes one JSON line per episode: outcome fields, token segments with their text.
+
+  Args:
+    path: output file (overwritten).
+    traj: the batch.
+    decode: ids -> text (e.g. `ChatTokenizer.decode`).
+    episodes: the runner's host records, adding the stop reason and the conversation as
+      messages (incl. the final observation, which is not part of the token sequence).
+  """
+  with open(path, "w") as f:
+    for row in range(traj.batch_size):
+      line: dict[str, Any] = {
+          "task_id": int(traj.task_id[row]), "group_id": int(traj.group_id[row]),
+          "num_turns": int(traj.num_turns[row]), "success": bool(traj.success[row]),
+          "score": float(traj.score[row]), "reward": float(np.asarray(traj.rewards[row]).sum()),
+          "terminated": bool(traj.terminated[row]), "truncated": bool(traj.truncated[row]),
+          "num_tokens": int(np.asarray(traj.valid[row]).sum()),
+      }
+      if episodes is not None:
+        line["stop_reason"] = episodes[row].stop_reason
+        line["messages"] = episodes[row].messages
+      line["segments"] = [dict(seg, text=decode(seg["tokens"])) for seg in segments(traj, row)]
+      f.write(json.dumps(line) + "\n")

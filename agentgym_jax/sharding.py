@@ -1,0 +1,186 @@
+"""Device mesh, logical-axis rules and sharded creation of model state.
+
+Parameters carry logical axis names (`vocab`, `embed`, `qkv`, `heads`, `mlp`, ...) in their
+`out_sharding` metadata; `LOGICAL_AXIS_RULES` maps each name to a mesh axis of the
+`("data", "fsdp", "tensor")` mesh. Data parallelism splits the batch over `data` and `fsdp`;
+FSDP additionally splits the `embed` axis of every weight over `fsdp`; tensor parallelism splits
+heads, MLP units and the vocabulary over `tensor`. Meshes use Auto axis types, so XLA's GSPMD
+partitioner inserts the collectives.
+
+    mesh = make_mesh([("data", -1), ("fsdp", 1), ("tensor", 1)])
+    model = sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), mesh)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Any, Callable, Sequence, TypeVar
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+M = TypeVar("M", bound=nnx.Module)
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# Logical axis -> mesh axis (or tuple of axes, or None = replicated).
+LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
+    "batch": BATCH_AXES,
+    "vocab": "tensor",
+    "embed": "fsdp",
+    "qkv": "tensor",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "head_dim": None,
+    "norm": None,
+    "length": None,
+    "layers": None,
+}
+
+
+def make_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | None = None
+              ) -> Mesh:
+  """A mesh with Auto axis types from [(name, size), ...]; at most one size may be -1.
+
+  -1 takes whatever devices the other axes leave. Example: [("data", -1), ("fsdp", 1),
+  ("tensor", 1)] is pure data parallelism over all devices.
+  """
+  devices = list(devices if devices is not None else jax.devices())
+  names = tuple(name for name, _ in axes)
+  sizes = [int(size) for _, size in axes]
+  if sizes.count(-1) > 1:
+    raise ValueError(f"At most one mesh axis may be -1, got {list(axes)}.")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if len(devices) % known:
+      raise ValueError(f"{len(devices)} devices do not divide into mesh axes {list(axes)}.")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if math.prod(sizes) != len(devices):
+    raise ValueError(f"Mesh {dict(zip(names, sizes))} needs {math.prod(sizes)} devices, "
+                     f"but {len(devices)} are available; use -1 for one axis.")
+  return jax.make_mesh(tuple(sizes), names, axis_types=(AxisType.Auto,) * len(names),
+                       devices=devices)
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
+                    mesh: Mesh | None = None, rules: dict[str, Any] | None = None) -> P:
+  """PartitionSpec for an array whose axes carry logical `names`.
+
+  Mesh axes missing from `mesh`, of size 1, or that do not divide the array's dimension (given
+  `shape`) are dropped, so that dimension stays replicated instead of failing.
+  """
+  rules = LOGICAL_AXIS_RULES if rules is None else rules
+  spec = []
+  for i, name in enumerate(names):
+    if name is not None and name not in rules:
+      raise KeyError(f"Logical axis {name!r} has no rule; known: {sorted(rules)}.")
+    target = rules.get(name) if name is not None else None
+    axes = (target,) if isinstance(target, str) else tuple(target or ())
+    if mesh is not None:
+      axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+      if shape is not None and shape[i] % math.prod(mesh.shape[a] for a in axes):
+        axes = ()
+    spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+  return P(*spec)
+
+
+def _logical_names(variable: nnx.Variable) -> tuple[str | None, ...]:
+  names = variable.get_metadata().get("out_sharding")
+  return tuple(names) if names else (None,) * len(variable.shape)
+
+
+def state_shardings(state: Any, mesh: Mesh, rules: dict[str, Any] | None = None) -> Any:
+  """A tree like `state` (nnx.State, concrete or abstract) holding each leaf's NamedSharding."""
+  def one(variable):
+    spec = logical_to_spec(_logical_names(variable), variable.shape, mesh, rules)
+    return variable.replace(NamedSharding(mesh, spec))
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def sharded_init(factory: Callable[[], M], mesh: Mesh,
+                 rules: dict[str, Any] | None = None) -> M:
+  """Creates `factory()` with every parameter born sharded on `mesh`.
+
+  The module is traced abstractly (`nnx.eval_shape`), its shardings derived from the logical
+  names, and the initialiser jitted with those `out_shardings`, so no parameter is ever whole
+  on one device.
+  """
+  graphdef, abstract = nnx.split(nnx.eval_shape(factory))
+  shardings = state_shardings(abstract, mesh, rules)
+  state = jax.jit(lambda: nnx.split(factory())[1], out_shardings=shardings)()
+  return nnx.merge(graphdef, state)
+
+
+def shard_state(state: Any, mesh: Mesh, rules: dict[str, Any] | None = None) -> Any:
+  """Moves an nnx.State (e.g. restored on one device) onto `mesh` per the rules."""
+  return jax.device_put(state, state_shardings(state, mesh, rules))
+
+
+def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
+  """NamedSharding splitting axis `batch_axis` of an ndim array over (data, fsdp)."""
+  names = [None] * ndim
+  names[batch_axis] = "batch"
+  return NamedSharding(mesh, logical_to_spec(names, mesh=mesh))
+
+
+def shard_batch(tree: Any, mesh: Mesh, batch_axis: int = 0) -> Any:
+  """device_put every array of `tree` with its `batch_axis` split over (data, fsdp).
+
+  Arrays whose batch dimension does not divide the data-parallel size are replicated.
+  """
+  def put(x):
+    x = np.asarray(x) if not isinstance(x, jax.Array) else x
+    spec = logical_to_spec([None] * batch_axis + ["batch"] + [None] * (x.ndim - batch_axis - 1),
+                           x.shape, mesh)
+    return jax.device_put(x, NamedSharding(mesh, spec))
+  return jax.tree.map(put, tree)
+
+
+def cache_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
+  """NamedSharding for a KV-cache buffer [layers, B, kv_heads, S, head_dim]."""
+  return NamedSharding(mesh, logical_to_spec(
+      ("layers", "batch", "kv_heads", "length", "head_dim"), shape, mesh))
+
+
+_CLUSTER_ENV_VARS = (
+    "JAX_COORDINATOR_ADDRESS",  # explicit: also set JAX_NUM_PROCESSES / JAX_PROCESS_ID
+    "MEGASCALE_COORDINATOR_ADDRESS",  # multi-slice TPU
+)
+
+
+def _multi_host_env() -> bool:
+  if any(os.environ.get(v) for v in _CLUSTER_ENV_VARS):
+    return True
+  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+  if len([h for h in hosts.split(",") if h]) > 1:
+    return True
+  for count_var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    if int(os.environ.get(count_var, "1") or 1) > 1:
+      return True
+  return False
+
+
+def maybe_initialize_distributed() -> bool:
+  """Starts JAX's multi-controller runtime when the environment describes several hosts.
+
+  Detects TPU pod slices (TPU_WORKER_HOSTNAMES), SLURM / Open MPI jobs with more than one task,
+  and an explicit JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and JAX_PROCESS_ID). Must run
+  before anything touches a device. Returns True when it initialised the runtime.
+  """
+  if not _multi_host_env():
+    return False
+  kwargs = {}
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    kwargs = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                  num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                  process_id=int(os.environ["JAX_PROCESS_ID"]))
+  jax.distributed.initialize(**kwargs)
+  logging.info("jax.distributed initialised: process %d of %d, %d global devices",
+               jax.process_index(), jax.process_count(), jax.device_count())
+  return True

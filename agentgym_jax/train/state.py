@@ -1,0 +1,162 @@
+"""The train state pytree, the optimizers, and their sharded creation.
+
+Parameters are held as plain nested dicts (`nnx.State.to_pure_dict()`); a model is rebuilt
+inside jit with `nnx.merge(graphdef, params)`. Plain dicts keep the optimizer state, the
+checkpoint tree and the sharding tree free of NNX variable wrappers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from agentgym_jax import sharding as sharding_lib
+
+Params = Any  # nested dict of arrays
+
+
+@struct.dataclass
+class TrainState:
+  """Everything that changes during training, as one pytree.
+
+  Attributes:
+    step: int32 scalar, trainer steps completed (the next step to run).
+    rng: uint32[2] raw PRNG key data of the run; each step derives its keys with fold_in, so
+      the state never needs to be split and a resumed run draws the same numbers.
+    policy: policy parameters.
+    opt_state: optax state of the policy optimizer.
+    ref: frozen reference-policy parameters for the KL term, or None without a KL term.
+    critic: value-model parameters (gae), or None.
+    critic_opt_state: optax state of the critic optimizer, or None.
+  """
+
+  step: jax.Array
+  rng: jax.Array
+  policy: Params
+  opt_state: optax.OptState
+  ref: Params | None = None
+  critic: Params | None = None
+  critic_opt_state: optax.OptState | None = None
+
+
+def split_params(module: nnx.Module) -> tuple[nnx.GraphDef, Params]:
+  """(graphdef, parameters as a plain dict); fails if the module holds non-parameter state."""
+  graphdef, params = nnx.split(module, nnx.Param)
+  return graphdef, params.to_pure_dict()
+
+
+def lr_schedule(optim: ml_collections.ConfigDict, lr: float, total_steps: int,
+                updates_per_step: int) -> optax.Schedule:
+  """Warm-up then constant/cosine/linear decay, counted in optimizer updates.
+
+  The config gives durations in trainer steps; each trainer step makes `updates_per_step`
+  (= epochs x minibatches) optimizer updates, so both are scaled by it here.
+  """
+  warmup = optim.warmup_steps * updates_per_step
+  total = max(total_steps * updates_per_step, warmup + 1)
+  end = lr * optim.end_lr_fraction
+  if optim.decay == "constant":
+    if warmup == 0:
+      return optax.constant_schedule(lr)
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup])
+  if optim.decay == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warmup, total, end)
+  if optim.decay == "linear":
+    return optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, warmup), optax.linear_schedule(lr, end, total - warmup)],
+        [warmup])
+  raise ValueError(f"optim.decay must be 'constant', 'cosine' or 'linear', got {optim.decay!r}.")
+
+
+def make_optimizer(optim: ml_collections.ConfigDict, schedule: optax.Schedule
+                   ) -> optax.GradientTransformation:
+  """Global-norm clipping then AdamW with decoupled weight decay (AgentGym-RL's recipe)."""
+  adamw = optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay)
+  if optim.grad_clip > 0:
+    return optax.chain(optax.clip_by_global_norm(optim.grad_clip), adamw)
+  return adamw
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, params: Params,
+                        param_shardings: Any, mesh: Mesh) -> Any:
+  """Shardings of tx.init(params): moments follow their parameter, scalars are replicated."""
+  abstract = jax.eval_shape(tx.init, params)
+  replicated = NamedSharding(mesh, P())
+  return optax.tree_map_params(tx, lambda _, sh: sh, abstract, param_shardings,
+                               transform_non_params=lambda _: replicated)
+
+
+def param_shardings(module: nnx.Module, mesh: Mesh) -> Any:
+  """NamedShardings of `module`'s parameters (plain dict), from their logical axis names."""
+  return sharding_lib.state_shardings(nnx.state(module, nnx.Param), mesh).to_pure_dict()
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizers:
+  """The policy's and (for gae) the critic's optimizer, with their learning-rate schedules."""
+
+  policy: optax.GradientTransformation
+  policy_lr: optax.Schedule
+  critic: optax.GradientTransformation | None = None
+  critic_lr: optax.Schedule | None = None
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, with_critic: bool) -> "Optimizers":
+    """Both optimizers from `config.optim`, durations scaled to optimizer updates."""
+    updates = config.algo.epochs * config.algo.minibatches
+    policy_lr = lr_schedule(config.optim, config.optim.lr, config.total_steps, updates)
+    if not with_critic:
+      return cls(make_optimizer(config.optim, policy_lr), policy_lr)
+    critic_lr = lr_schedule(config.optim, config.optim.critic_lr, config.total_steps, updates)
+    return cls(make_optimizer(config.optim, policy_lr), policy_lr,
+               make_optimizer(config.optim, critic_lr), critic_lr)
+
+
+def init_train_state(*, policy: Params, critic: Params | None, keep_reference: bool,
+                     optimizers: Optimizers, seed: int, shardings: "TrainState"
+                     ) -> TrainState:
+  """Builds step 0 of the train state, already laid out with `shardings`.
+
+  The reference is a copy of the initial policy (its own buffers, so donating the state in
+  the update never invalidates it), and optimizer states are created by a jitted init with
+  their final shardings, so no moment buffer is ever whole on one device.
+  """
+  def build(policy, critic):
+    ref = jax.tree.map(jnp.copy, policy) if keep_reference else None
+    critic_opt = optimizers.critic.init(critic) if critic is not None else None
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        rng=jax.random.key_data(jax.random.key(seed)),
+        policy=policy,
+        opt_state=optimizers.policy.init(policy),
+        ref=ref,
+        critic=critic,
+        critic_opt_state=critic_opt)
+
+  return jax.jit(build, out_shardings=shardings)(policy, critic)
+
+
+def train_state_shardings(*, policy_shardings: Any, critic_shardings: Any | None,
+                          keep_reference: bool, optimizers: Optimizers, policy: Params,
+                          critic: Params | None, mesh: Mesh) -> TrainState:
+  """A TrainState-shaped tree of NamedShardings for the update's in/out shardings."""
+  replicated = NamedSharding(mesh, P())
+  critic_opt = None
+  if critic is not None:
+    critic_opt = opt_state_shardings(optimizers.critic, critic, critic_shardings, mesh)
+  return TrainState(
+      step=replicated,
+      rng=replicated,
+      policy=policy_shardings,
+      opt_state=opt_state_shardings(optimizers.policy, policy, policy_shardings, mesh),
+      ref=policy_shardings if keep_reference else None,
+      critic=critic_shardings if critic is not None else None,
+      critic_opt_state=critic_opt)

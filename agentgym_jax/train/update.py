@@ -1,0 +1,368 @@
+"""The jitted, sharded PPO-style update and the scoring forward passes.
+
+One call of the update runs `epochs x minibatches` optimizer updates over a rollout batch:
+
+  for each epoch: shuffle the rows, cut them into minibatches
+    for each minibatch:
+      denominators of the loss aggregation from the WHOLE minibatch's mask
+      gradient = Σ over micro-batches of grad(aggregate(token loss, micro mask, denominator))
+      if loss and gradient norm are finite: clip, AdamW step; else keep params and moments
+
+so the gradient of a minibatch does not depend on how many micro-batches it is cut into
+(`rl.losses.aggregation_denominator`). The policy loss per token is
+
+  ppo_clip(logπ, logπ_old, A) + kl_coef · KL(π || π_ref) - entropy_coef · H(π)
+
+(the KL term only when it is not in the reward), and with a critic (gae) the clipped value
+loss `value_coef · ½ max((V - R)², (clip(V, V_old ± c) - R)²)` trains the value model with its
+own optimizer in the same minibatch loop.
+
+Alignment: logits at position t predict token t + 1, so log-probabilities, entropies and values
+are shifted to sit on the token they score: `logprobs[:, t] = log π(tokens[t] | tokens[<t])`
+and `values[:, t] = V(tokens[<t])`, the value of the state in which token t was chosen (verl's
+convention). Position 0 is never an agent token and gets 0.
+
+Rows of a micro-batch are strided (micro-batch k holds rows k, k + K, k + 2K, ...), so with the
+row axis split over the data-parallel devices every micro-batch spans all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.rl import losses
+from agentgym_jax.train.state import Optimizers, Params, TrainState
+
+Batch = dict[str, jax.Array]
+
+# Stream ids folded into the step key, so rollout, update and evaluation never share numbers.
+UPDATE_STREAM = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+  """The static (hashable) hyper-parameters of the update, read from `config.algo`."""
+
+  epochs: int
+  minibatches: int
+  microbatches: int
+  loss_agg_mode: str
+  clip_low: float
+  clip_high: float
+  clip_dual: float
+  kl_coef: float
+  kl_estimator: str
+  kl_in_loss: bool
+  entropy_coef: float
+  use_critic: bool
+  value_coef: float
+  value_clip: float
+  temperature: float
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> "UpdateConfig":
+    algo = config.algo
+    if algo.loss_agg_mode not in losses.LOSS_AGG_MODES:
+      raise ValueError(f"algo.loss_agg_mode must be one of {losses.LOSS_AGG_MODES}, got "
+                       f"{algo.loss_agg_mode!r}.")
+    if algo.kl_estimator not in losses.KL_ESTIMATORS:
+      raise ValueError(f"algo.kl_estimator {algo.kl_estimator!r} is not one of "
+                       f"{sorted(losses.KL_ESTIMATORS)}.")
+    if algo.clip_dual and algo.clip_dual <= 1.0:
+      raise ValueError(f"algo.clip_dual must be > 1 (or 0 to disable), got {algo.clip_dual}.")
+    if config.rollout.temperature <= 0:
+      raise ValueError("rollout.temperature must be > 0 for training: the policy's log-probs "
+                       f"are those of the sampling distribution, got {config.rollout.temperature}.")
+    for name in ("epochs", "minibatches", "microbatches"):
+      if algo[name] < 1:
+        raise ValueError(f"algo.{name} must be >= 1, got {algo[name]}.")
+    return cls(
+        epochs=algo.epochs, minibatches=algo.minibatches, microbatches=algo.microbatches,
+        loss_agg_mode=algo.loss_agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
+        clip_dual=algo.clip_dual, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
+        kl_in_loss=algo.kl_coef > 0 and not algo.kl_in_reward,
+        entropy_coef=algo.entropy_coef, use_critic=algo.advantage == "gae",
+        value_coef=algo.value_coef, value_clip=algo.value_clip,
+        temperature=config.rollout.temperature)
+
+  @property
+  def updates_per_step(self) -> int:
+    return self.epochs * self.minibatches
+
+
+# ----- token scoring -------------------------------------------------------------------------
+
+
+def _shift_right(x: jax.Array) -> jax.Array:
+  """[B, L-1] scores of tokens 1..L-1 -> [B, L] aligned with the tokens (0 at position 0)."""
+  return jnp.pad(x, ((0, 0), (1, 0)))
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0
+                   ) -> jax.Array:
+  """log π(tokens[t] | tokens[<t]) at temperature: logits [B, L, V], tokens [B, L] -> [B, L].
+
+  Computed as picked logit minus logsumexp, which never materialises a second [B, L, V] array.
+  """
+  logits = logits[:, :-1].astype(jnp.float32) / temperature
+  picked = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
+  return _shift_right(picked - jax.nn.logsumexp(logits, axis=-1))
+
+
+def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+  """Entropy of the distribution each token was drawn from: [B, L, V] -> [B, L]."""
+  return _shift_right(losses.entropy_from_logits(logits[:, :-1] / temperature))
+
+
+def split_micro(tree: Any, num: int) -> Any:
+  """Rows [R, ...] -> [num, R // num, ...], micro-batch k holding rows k, k + num, ..."""
+  def one(x):
+    if x.shape[0] % num:
+      raise ValueError(f"{x.shape[0]} rows do not split into {num} micro-batches.")
+    return jnp.swapaxes(x.reshape(x.shape[0] // num, num, *x.shape[1:]), 0, 1)
+  return jax.tree.map(one, tree)
+
+
+def merge_micro(tree: Any) -> Any:
+  """Inverse of `split_micro`: [num, m, ...] -> [m * num, ...] in the original row order."""
+  return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+def _constrain_rows(tree: Any, mesh: Mesh | None, row_axis: int) -> Any:
+  """Keeps axis `row_axis` split over the data-parallel mesh axes (no-op without a mesh)."""
+  if mesh is None:
+    return tree
+  def one(x):
+    names = [None] * x.ndim
+    names[row_axis] = "batch"
+    spec = sharding_lib.logical_to_spec(names, x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.tree.map(one, tree)
+
+
+# ----- losses of one micro-batch ---------------------------------------------------------------
+
+
+def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
+                graphdef: nnx.GraphDef, cfg: UpdateConfig) -> tuple[jax.Array, dict]:
+  """Aggregated policy loss of one micro-batch and token sums of its diagnostics.
+
+  Args:
+    params: policy parameters.
+    micro: tokens, valid, loss_mask, old_logprobs, advantages [m, L] (+ ref_logprobs when the
+      KL term is in the loss).
+    denominator: `losses.aggregation_denominator` of the whole minibatch.
+  Returns:
+    (loss scalar, aux): aux holds `pg_loss` (the aggregated surrogate alone) and masked token
+    sums of entropy, kl, clip_frac, clip_frac_lower, approx_kl, plus the token count `tokens`,
+    so that sums over micro-batches give exact minibatch means.
+  """
+  model = nnx.merge(graphdef, params)
+  logits = model(micro["tokens"], micro["valid"])
+  mask = micro["loss_mask"]
+  logp = token_logprobs(logits, micro["tokens"], cfg.temperature)
+  entropy = token_entropy(logits, cfg.temperature)
+  pg, pg_metrics = losses.ppo_clip(
+      logp, micro["old_logprobs"], micro["advantages"], mask, clip_ratio_low=cfg.clip_low,
+      clip_ratio_high=cfg.clip_high, clip_ratio_c=cfg.clip_dual or None)
+  token_loss = pg - cfg.entropy_coef * entropy
+  tokens = jnp.sum(mask, dtype=jnp.float32)
+  aux = {k: v * tokens for k, v in pg_metrics.items()}
+  aux["entropy"] = jnp.sum(jnp.where(mask, entropy, 0.0))
+  if cfg.kl_in_loss:
+    kl = losses.kl_penalty(logp, micro["ref_logprobs"], mask, cfg.kl_estimator)
+    token_loss = token_loss + cfg.kl_coef * kl
+    aux["kl"] = jnp.sum(kl)
+  aux["pg_loss"] = losses.aggregate(pg, mask, cfg.loss_agg_mode, denominator)
+  aux["tokens"] = tokens
+  return losses.aggregate(token_loss, mask, cfg.loss_agg_mode, denominator), aux
+
+
+def critic_values(params: Params, graphdef: nnx.GraphDef, tokens: jax.Array, valid: jax.Array
+                  ) -> jax.Array:
+  """V(tokens[<t]) aligned with token t: [B, L] -> [B, L] float32 (0 at position 0)."""
+  values = nnx.merge(graphdef, params)(tokens, valid)
+  return _shift_right(values[:, :-1])
+
+
+def critic_loss(params: Params, micro: Batch, denominator: jax.Array, *,
+                graphdef: nnx.GraphDef, cfg: UpdateConfig) -> tuple[jax.Array, dict]:
+  """Clipped value loss of one micro-batch (needs returns, old_values [m, L]); see policy_loss."""
+  mask = micro["loss_mask"]
+  values = critic_values(params, graphdef, micro["tokens"], micro["valid"])
+  token_loss, metrics = losses.value_loss(values, micro["old_values"], micro["returns"], mask,
+                                          cliprange_value=cfg.value_clip)
+  loss = losses.aggregate(token_loss, mask, cfg.loss_agg_mode, denominator)
+  tokens = jnp.sum(mask, dtype=jnp.float32)
+  aux = {k: v * tokens for k, v in metrics.items()}
+  aux["value_loss"] = loss
+  aux["tokens"] = tokens
+  return cfg.value_coef * loss, aux
+
+
+def accumulate_gradients(loss_fn: Callable, params: Params, minibatch: Batch,
+                         denominator: jax.Array, num_micro: int, mesh: Mesh | None = None
+                         ) -> tuple[jax.Array, Params, dict]:
+  """Σ over micro-batches of (loss, grad, aux) of loss_fn(params, micro, denominator).
+
+  With a denominator computed from the whole minibatch, the sum equals the loss and gradient
+  of the minibatch in one piece; only peak memory depends on `num_micro`.
+
+  Args:
+    loss_fn: (params, micro-batch, denominator) -> (scalar loss, dict of scalar sums).
+    params: parameters to differentiate.
+    minibatch: dict of [M, ...] arrays, M divisible by num_micro.
+    denominator: scalar, the global aggregation denominator.
+    num_micro: micro-batches.
+    mesh: when given, micro-batch rows stay split over its data-parallel axes.
+  Returns:
+    (loss, grads like params, aux sums).
+  """
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  micros = _constrain_rows(split_micro(minibatch, num_micro), mesh, row_axis=1)
+
+  def body(carry, micro):
+    (loss, aux), grads = grad_fn(params, micro, denominator)
+    return jax.tree.map(jnp.add, carry, (loss, grads, aux)), None
+
+  loss0, aux0 = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], micros),
+                               denominator)
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, params, aux0))
+  (loss, grads, aux), _ = jax.lax.scan(body, zeros, micros)
+  return loss, grads, aux
+
+
+def _apply_if_finite(tx: optax.GradientTransformation, params: Params, opt_state: Any,
+                     grads: Params, loss: jax.Array) -> tuple[Params, Any, jax.Array, jax.Array]:
+  """One optimizer step, or none when the loss or the gradient is not finite.
+
+  Returns (params, opt_state, grad_norm before clipping, skipped as float 0/1). A skipped step
+  leaves parameters AND moments untouched (the optimizer's count does not advance either).
+  """
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  updates, new_opt_state = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jnp.where(finite, new, old)
+  return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt_state, opt_state),
+          grad_norm, 1.0 - finite.astype(jnp.float32))
+
+
+# ----- the update ------------------------------------------------------------------------------
+
+
+def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
+                     optimizers: Optimizers, cfg: UpdateConfig, mesh: Mesh,
+                     state_shardings: TrainState) -> Callable[[TrainState, Batch],
+                                                              tuple[TrainState, dict]]:
+  """The jitted update: (state, batch) -> (state after one trainer step, metrics).
+
+  The state is donated (its buffers are reused for the new state), parameters keep the
+  shardings of `state_shardings`, and the batch's rows are split over the data axes.
+
+  Batch fields, each [R, L] with R divisible by minibatches x microbatches x data shards:
+  tokens, valid, loss_mask, old_logprobs, advantages; ref_logprobs when the KL term is in the
+  loss; returns, old_values with a critic.
+
+  Metrics (means over the step's optimizer updates): actor/{pg_loss, entropy, kl, clip_frac,
+  clip_frac_lower, approx_kl, grad_norm, lr, skipped}; with a critic critic/{value_loss,
+  vf_clip_frac, grad_norm, lr, skipped}. `skipped` is the fraction of updates dropped for a
+  non-finite loss or gradient.
+  """
+  rows_spec = NamedSharding(mesh, P(sharding_lib.BATCH_AXES))
+  policy_fn = functools.partial(policy_loss, graphdef=policy_def, cfg=cfg)
+  critic_fn = (functools.partial(critic_loss, graphdef=critic_def, cfg=cfg)
+               if cfg.use_critic else None)
+
+  def minibatch_update(batch: Batch, carry, xs):
+    index, rows = xs
+    policy, opt_state, critic, critic_opt_state = carry
+    minibatch = _constrain_rows(jax.tree.map(lambda x: jnp.take(x, rows, axis=0), batch),
+                                mesh, row_axis=0)
+    denominator = losses.aggregation_denominator(minibatch["loss_mask"], cfg.loss_agg_mode)
+    loss, grads, aux = accumulate_gradients(policy_fn, policy, minibatch, denominator,
+                                            cfg.microbatches, mesh)
+    policy, opt_state, grad_norm, skipped = _apply_if_finite(
+        optimizers.policy, policy, opt_state, grads, loss)
+    tokens = jnp.maximum(aux.pop("tokens"), 1.0)
+    metrics = {f"actor/{k}": v / tokens for k, v in aux.items() if k != "pg_loss"}
+    metrics.update({"actor/pg_loss": aux["pg_loss"], "actor/loss": loss,
+                    "actor/grad_norm": grad_norm, "actor/skipped": skipped,
+                    "actor/lr": optimizers.policy_lr(index)})
+    if critic_fn is not None:
+      loss, grads, aux = accumulate_gradients(critic_fn, critic, minibatch, denominator,
+                                              cfg.microbatches, mesh)
+      critic, critic_opt_state, grad_norm, skipped = _apply_if_finite(
+          optimizers.critic, critic, critic_opt_state, grads, loss)
+      tokens = jnp.maximum(aux.pop("tokens"), 1.0)
+      metrics.update({"critic/value_loss": aux["value_loss"],
+                      "critic/vf_clip_frac": aux["vf_clip_frac"] / tokens,
+                      "critic/grad_norm": grad_norm, "critic/skipped": skipped,
+                      "critic/lr": optimizers.critic_lr(index)})
+    return (policy, opt_state, critic, critic_opt_state), metrics
+
+  def update(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
+    num_rows = batch["tokens"].shape[0]
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+    key = jax.random.fold_in(key, UPDATE_STREAM)
+    orders = jnp.stack([jax.random.permutation(jax.random.fold_in(key, epoch), num_rows)
+                        for epoch in range(cfg.epochs)])
+    orders = orders.reshape(cfg.updates_per_step, num_rows // cfg.minibatches)
+    # Optimizer updates made before this step: the learning-rate schedule's position.
+    first = state.step * cfg.updates_per_step
+    indices = first + jnp.arange(cfg.updates_per_step)
+    carry = (state.policy, state.opt_state, state.critic, state.critic_opt_state)
+    carry, metrics = jax.lax.scan(functools.partial(minibatch_update, batch), carry,
+                                  (indices, orders))
+    policy, opt_state, critic, critic_opt_state = carry
+    new_state = state.replace(step=state.step + 1, policy=policy, opt_state=opt_state,
+                              critic=critic, critic_opt_state=critic_opt_state)
+    return new_state, jax.tree.map(jnp.mean, metrics)
+
+  return jax.jit(update, in_shardings=(state_shardings, rows_spec),
+                 out_shardings=(state_shardings, NamedSharding(mesh, P())),
+                 donate_argnums=(0,))
+
+
+# ----- scoring passes ------------------------------------------------------------------------
+
+
+def make_scorers(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
+                 temperature: float, chunks: int, mesh: Mesh
+                 ) -> tuple[Callable, Callable | None]:
+  """Jitted forward passes over a rollout batch, `chunks` micro-batches at a time.
+
+  Returns:
+    logprobs(params, tokens, valid) -> [R, L] float32, for old and reference log-probs;
+    values(params, tokens, valid) -> [R, L] float32 (None without a critic).
+    Both take rows split over the data axes and return them the same way.
+  """
+  rows_spec = NamedSharding(mesh, P(sharding_lib.BATCH_AXES))
+
+  def scan_rows(fn, params, tokens, valid):
+    micros = _constrain_rows(split_micro((tokens, valid), chunks), mesh, row_axis=1)
+    _, out = jax.lax.scan(lambda c, tv: (c, fn(params, *tv)), None, micros)
+    return merge_micro(out)
+
+  def logprob_fn(params, tokens, valid):
+    logits = nnx.merge(policy_def, params)(tokens, valid)
+    return token_logprobs(logits, tokens, temperature)
+
+  logprobs = jax.jit(functools.partial(scan_rows, logprob_fn),
+                     in_shardings=(None, rows_spec, rows_spec), out_shardings=rows_spec)
+  if critic_def is None:
+    return logprobs, None
+  value_fn = functools.partial(critic_values, graphdef=critic_def)
+  values = jax.jit(functools.partial(scan_rows, lambda p, t, v: value_fn(p, tokens=t, valid=v)),
+                   in_shardings=(None, rows_spec, rows_spec), out_shardings=rows_spec)
+  return logprobs, values

@@ -1,0 +1,163 @@
+"""GAE over a multi-turn batch: our jitted `advantages.gae` vs verl's per-timestep loop.
+
+The reference transcribes verl's `compute_gae_advantage_return` (a Python loop over
+t in reversed(range(L)), vectorised over the batch, carrying next value and running advantage
+through observation tokens, then `masked_whiten`) in torch, as verl runs it; numpy if torch is
+missing. Both get the same float32 arrays; results must agree on agent tokens.
+
+  python benchmarks/gae_bench.py [--batch 64] [--length 4096] [--repeats 20] [--associative]
+
+`--associative` also times a `jax.lax.associative_scan` formulation (the alternative to the
+reverse `lax.scan` we ship). Last line: `ratio: <reference time / our time>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from agentgym_jax.rl import advantages
+
+try:
+  import torch
+except ImportError:  # the parity extra is not installed: fall back to numpy
+  torch = None
+
+
+def multi_turn_batch(batch: int, length: int, seed: int = 0):
+  """Rows: prompt, alternating agent turns (32-200 tokens) and observations (32-300), padding."""
+  rng = np.random.default_rng(seed)
+  mask = np.zeros((batch, length), np.float32)
+  for b in range(batch):
+    t = int(rng.integers(64, 256))
+    end = length - int(rng.integers(0, 512))
+    while t < end:
+      n = int(rng.integers(32, 200))
+      mask[b, t:min(t + n, end)] = 1
+      t += n + int(rng.integers(32, 300))
+  rewards = np.array(advantages.outcome_rewards(rng.uniform(size=batch).astype(np.float32),
+                                                  mask))
+  values = rng.normal(size=(batch, length)).astype(np.float32)
+  return rewards, values, mask
+
+
+def verl_gae_torch(rewards, values, mask, gamma, lam):
+  """verl's loop and masked_whiten, in torch."""
+  with torch.no_grad():
+    next_values, last_gae_lam, reversed_adv = 0, 0, []
+    for t in reversed(range(rewards.shape[-1])):
+      delta = rewards[:, t] + gamma * next_values - values[:, t]
+      last_gae_lam_ = delta + gamma * lam * last_gae_lam
+      next_values = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_values
+      last_gae_lam = last_gae_lam_ * mask[:, t] + (1 - mask[:, t]) * last_gae_lam
+      reversed_adv.append(last_gae_lam)
+    adv = torch.stack(reversed_adv[::-1], dim=1)
+    returns = adv + values
+    mean = (adv * mask).sum() / mask.sum()
+    var = ((adv - mean) ** 2 * mask).sum() / mask.sum() * (mask.sum() / (mask.sum() - 1))
+    return (adv - mean) * torch.rsqrt(var + 1e-8), returns
+
+
+def verl_gae_numpy(rewards, values, mask, gamma, lam):
+  """The same loop in numpy."""
+  next_values, last_gae_lam = np.zeros(rewards.shape[0], np.float32), 0
+  adv = np.zeros_like(rewards)
+  for t in reversed(range(rewards.shape[-1])):
+    delta = rewards[:, t] + gamma * next_values - values[:, t]
+    last_gae_lam_ = delta + gamma * lam * last_gae_lam
+    next_values = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_values
+    last_gae_lam = last_gae_lam_ * mask[:, t] + (1 - mask[:, t]) * last_gae_lam
+    adv[:, t] = last_gae_lam
+  returns = adv + values
+  n = mask.sum()
+  mean = (adv * mask).sum() / n
+  var = ((adv - mean) ** 2 * mask).sum() / (n - 1)
+  return (adv - mean) / np.sqrt(var + 1e-8), returns
+
+
+@jax.jit
+def gae_associative(rewards, values, mask, gamma, lam):
+  """GAE as two first-order linear recurrences x_t = a_t x_{t+1} + b_t, each solved by
+  `lax.associative_scan` (O(log L) depth): next agent value, then the advantage."""
+
+  def solve(a, b):
+    def compose(later, earlier):  # (a, b) pairs: apply `later` first, then `earlier`
+      return later[0] * earlier[0], earlier[0] * later[1] + earlier[1]
+    return jax.lax.associative_scan(compose, (a, b), reverse=True, axis=1)[1]
+
+  next_value = solve(1.0 - mask, mask * values)
+  next_value = jnp.concatenate([next_value[:, 1:], jnp.zeros_like(next_value[:, :1])], axis=1)
+  delta = rewards + gamma * next_value - values
+  adv = solve(mask * gamma * lam + (1.0 - mask), mask * delta)
+  return advantages.masked_whiten(adv, mask), (adv + values) * mask
+
+
+def timed(fn, repeats):
+  """Median wall seconds of `repeats` calls (results blocked on)."""
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--length", type=int, default=4096)
+  parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--ref-repeats", type=int, default=5)
+  parser.add_argument("--associative", action="store_true")
+  args = parser.parse_args()
+  gamma, lam = 1.0, 0.95
+
+  rewards, values, mask = multi_turn_batch(args.batch, args.length)
+  print(f"batch {args.batch} x {args.length}, agent tokens {int(mask.sum())} "
+        f"({mask.mean():.0%}), jax {jax.__version__} on {jax.devices()[0].platform}")
+
+  if torch is not None:
+    name = f"verl loop (torch {torch.__version__})"
+    tr, tv, tm = (torch.from_numpy(a) for a in (rewards, values, mask))
+    ref_fn = lambda: verl_gae_torch(tr, tv, tm, gamma, lam)  # noqa: E731
+    to_numpy = lambda x: x.numpy()  # noqa: E731
+  else:
+    name = "verl loop (numpy)"
+    ref_fn = lambda: verl_gae_numpy(rewards, values, mask, gamma, lam)  # noqa: E731
+    to_numpy = np.asarray
+  ref_adv, ref_ret = (to_numpy(x) for x in ref_fn())
+  ref_s = timed(ref_fn, args.ref_repeats)
+
+  r, v, m = (jnp.asarray(a) for a in (rewards, values, mask))
+  ours_fn = lambda: advantages.gae(r, m, values=v, gamma=gamma, lam=lam)  # noqa: E731
+  start = time.perf_counter()
+  adv, ret = jax.block_until_ready(ours_fn())
+  compile_s = time.perf_counter() - start
+  ours_s = timed(ours_fn, args.repeats)
+
+  on = mask > 0
+  adv_err = float(np.abs(np.asarray(adv) - ref_adv)[on].max())
+  ret_err = float(np.abs(np.asarray(ret) - ref_ret)[on].max())
+  print(f"max |diff| on agent tokens: advantages {adv_err:.2e}, returns {ret_err:.2e}")
+  if not (adv_err < 1e-4 and ret_err < 1e-4):
+    raise SystemExit("results disagree with the reference")
+
+  print(f"{name}: {ref_s * 1e3:.1f} ms")
+  print(f"agentgym_jax gae (reverse lax.scan, jit): {ours_s * 1e3:.2f} ms "
+        f"(first call incl. compile {compile_s:.2f} s)")
+  if args.associative:
+    assoc_fn = lambda: gae_associative(r, v, m, gamma, lam)  # noqa: E731
+    assoc_adv, _ = jax.block_until_ready(assoc_fn())
+    assoc_err = float(np.abs(np.asarray(assoc_adv) - ref_adv)[on].max())
+    print(f"associative_scan variant (jit): {timed(assoc_fn, args.repeats) * 1e3:.2f} ms "
+          f"(max |diff| {assoc_err:.2e})")
+  print(f"ratio: {ref_s / ours_s:.1f}")
+
+
+if __name__ == "__main__":
+  main()

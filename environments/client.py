@@ -1,0 +1,238 @@
+"""`RemoteEnv`: a `TextEnv` whose simulator runs behind an AgentGym env server.
+
+    env = environments.make("remote", url="http://127.0.0.1:36005", env_name="babyai")
+    observation, info = env.reset(options={"task_id": 7})
+    observation, reward, terminated, truncated, info = env.step(env.parse_action(response))
+
+It talks to our `environments.server` and to genuine AgentGym servers alike (BabyAI, TextCraft,
+SciWorld, SearchQA, WebArena), using each one's field names (`environments.protocol`). As in
+AgentGym, the client extracts the action from the agent's response (`parse_action`, the local
+environment's parser) and the server receives the action string. In an `EnvPool`, use
+`EnvPool("remote", env_kwargs={"url": ..., "env_name": ...})`.
+
+Rewards: with `reward_mode="paper"` the step reward is the raw value AgentGym's own client
+reports (`score` for BabyAI and SciWorld, else `reward`). With "normalized" it is the reward
+of our local environment: taken verbatim from our server's `textenv` extension, or, against a
+genuine server, the raw value scaled to [0, 1] (`Protocol.normalize`). Against a genuine
+server, `truncated` is always False: AgentGym's `done` folds truncation into termination.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import requests
+from requests import adapters
+from urllib3.util import retry as retry_lib
+
+import environments
+from environments import protocol as protocol_lib
+from environments.base import TextEnv
+
+_WEBARENA_INSTRUCTION = (
+    "You are an autonomous agent operating a web browser to complete a web-based task. Each "
+    "observation shows the objective, the page's accessibility tree, its URL and the open tabs. "
+    "Think step by step, then give exactly one action inside triple backticks, e.g. "
+    "```click [42]```, ```type [17] [text] [1]```, ```scroll [down]```, ```goto [url]``` or "
+    "```stop [answer]``` when the task is done (answer N/A if it cannot be done).")
+_WEBARENA_NO_ACTION = ("Cannot parse action from response. Your action should be inside "
+                       "triple backticks (```). Please adjust accordingly.")
+
+
+class RemoteEnvError(RuntimeError):
+  """The server could not be reached, or answered with an error."""
+
+  def __init__(self, message: str, status: int | None = None, payload: Any = None):
+    super().__init__(message)
+    self.status = status
+    self.payload = payload
+
+
+def react_action(response: str) -> str:
+  """Everything after the last "Action:" in `response`, stripped; "" when there is none."""
+  if "Action:" not in response:
+    return ""
+  return response.rsplit("Action:", 1)[1].strip()
+
+
+class RemoteEnv(TextEnv):
+  """A `TextEnv` over AgentGym's HTTP protocol.
+
+  `RemoteEnv(url, env_name)` builds an instance of `remote_class(env_name)`, whose parser,
+  formatter and instruction are the local environment's (WebArena: the raw response is sent,
+  its server parses the triple-backtick action, as with AgentGym's client). The class itself
+  (`environments.env_class("remote")`) parses generic ReAct responses.
+
+  Args:
+    url: the server's base URL, e.g. "http://127.0.0.1:36005".
+    env_name: which protocol to speak: a key of `environments.protocol.PROTOCOLS`.
+    reward_mode: "normalized" or "paper" (see the module docstring).
+    timeout_s: limit on each HTTP request.
+    retries: attempts to (re)connect before a request fails; waits double from 0.5 s.
+    instruction: overrides the instruction shown to the agent.
+  """
+
+  name = "remote"
+  instruction = ("Solve the task. Answer in the format\nThought:\nyour thoughts.\n\nAction:\n"
+                 "your next action")
+  protocol: protocol_lib.Protocol | None = None
+
+  def __new__(cls, url: str | None = None, env_name: str | None = None, *args, **kwargs):
+    del url, args, kwargs
+    if cls is RemoteEnv and env_name is not None:
+      cls = remote_class(env_name)
+    return super().__new__(cls)
+
+  def __init__(self, url: str, env_name: str, reward_mode: str = "normalized",
+               timeout_s: float = 60.0, retries: int = 5, instruction: str | None = None):
+    super().__init__(reward_mode)
+    if self.protocol is None or self.protocol.name != env_name:
+      raise ValueError(f"Build remote envs as RemoteEnv(url, env_name) or "
+                       f"environments.make('remote', url=..., env_name=...); got {type(self)}.")
+    self.url = url.rstrip("/")
+    self.env_name = env_name
+    self.timeout_s = timeout_s
+    if instruction is not None:
+      self.instruction = instruction
+    self._session = requests.Session()
+    # Only failures to connect are retried: a /step that reached the server must not run twice.
+    policy = retry_lib.Retry(total=retries, connect=retries, read=0, status=0, other=0,
+                             redirect=0, backoff_factor=0.5, raise_on_status=False)
+    self._session.mount("http://", adapters.HTTPAdapter(max_retries=policy))
+    self._session.mount("https://", adapters.HTTPAdapter(max_retries=policy))
+    self.instance_id: int | None = None
+    self._create()
+
+  # ----- HTTP ----------------------------------------------------------------------------------
+
+  def _request(self, method: str, path: str, body: Any = None,
+               params: dict[str, Any] | None = None) -> Any:
+    where = f"{method} {self.url}{path}"
+    try:
+      response = self._session.request(method, self.url + path, json=body, params=params,
+                                       timeout=self.timeout_s)
+    except requests.RequestException as exc:
+      raise RemoteEnvError(f"{where} failed: {exc}") from exc
+    try:
+      payload = response.json()
+    except ValueError:
+      payload = None
+    if response.status_code != 200:
+      if isinstance(payload, dict):
+        message = payload.get("error") or payload.get("detail")
+      else:
+        message = response.text[:300]
+      raise RemoteEnvError(f"{where} answered {response.status_code}: {message}",
+                           response.status_code, payload)
+    if isinstance(payload, dict) and "error" in payload:
+      # Upstream servers report failures as HTTP 200 with an "error" field.
+      raise RemoteEnvError(f"{where} answered an error: {payload['error']}", 200)
+    return payload
+
+  def _create(self) -> None:
+    self.instance_id = self.protocol.read_create(
+        self._request("POST", "/create", self.protocol.create_body()))
+
+  # ----- TextEnv -------------------------------------------------------------------------------
+
+  def _reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
+    if self.instance_id is None:
+      self._create()
+    body = self.protocol.reset_body(self.instance_id, task_id)
+    try:
+      response = self._request("POST", "/reset", body)
+    except RemoteEnvError as exc:
+      if exc.status != 404:
+        raise
+      # The server no longer knows the instance (e.g. it restarted): start a new one.
+      self._create()
+      response = self._request("POST", "/reset",
+                               self.protocol.reset_body(self.instance_id, task_id))
+    return self.protocol.read_reset(response), {}
+
+  def _step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    if self.env_name == "webarena" and not re.search(r"```(.*?)```", action, re.DOTALL):
+      # AgentGym's WebArena client answers this itself, without a server round trip.
+      return _WEBARENA_NO_ACTION, 0.0, False, False, {"success": False, "score": 0.0}
+    response = self._request("POST", "/step", self.protocol.step_body(self.instance_id, action))
+    reply = self.protocol.read_step(response)
+    extension = response.get("textenv") if isinstance(response, dict) else None
+    if extension is not None:
+      reward = float(extension["reward"])
+      terminated, truncated = bool(extension["terminated"]), bool(extension["truncated"])
+      info = dict(extension["info"])
+    else:
+      reward = self.protocol.normalize(reply.raw_reward)
+      terminated, truncated = reply.terminated, reply.truncated
+      info = {"success": self.protocol.is_success(reply.raw_reward, terminated)}
+    info["score"] = reply.raw_reward
+    if self.reward_mode == "paper":
+      reward = reply.raw_reward
+    return reply.observation, reward, terminated, truncated, info
+
+  def observe(self) -> Any:
+    """The server's GET /observation answer for this instance."""
+    return self._request("GET", "/observation",
+                         params={self.protocol.id_key: self.instance_id})
+
+  def expert_action(self) -> str:
+    """The expert's move, from an agentgym-jax server (upstream servers have no expert)."""
+    try:
+      response = self._request("GET", "/expert_action",
+                               params={self.protocol.id_key: self.instance_id})
+    except RemoteEnvError as exc:
+      # A missing route answers 404 without our "error" field (an unknown id has one).
+      if exc.status == 404 and not (isinstance(exc.payload, dict) and "error" in exc.payload):
+        raise NotImplementedError(f"{self.url} has no /expert_action endpoint; only "
+                                  "agentgym-jax servers provide the expert.") from exc
+      raise
+    return str(response["action"])
+
+  def close(self) -> None:
+    """Frees the server-side instance and the connection pool. Idempotent."""
+    instance_id, self.instance_id = self.instance_id, None
+    try:
+      if instance_id is not None:
+        self._request("POST", "/close", self.protocol.close_body(instance_id))
+    except RemoteEnvError:
+      # The server is gone or already forgot the instance; there is nothing left to free.
+      pass
+    finally:
+      self._session.close()
+
+  @staticmethod
+  def parse_action(response: str) -> str:
+    return react_action(response)
+
+  @staticmethod
+  def format_action(action: str) -> str:
+    return f"Thought:\nI act.\n\nAction:\n{action}"
+
+
+def _webarena_action(response: str) -> str:
+  # WebArena's server extracts the ``` action itself from the full response.
+  return response
+
+
+def _webarena_format(action: str) -> str:
+  return f"In summary, the next action I will perform is ```{action}```"
+
+
+@functools.cache
+def remote_class(env_name: str) -> type[RemoteEnv]:
+  """The `RemoteEnv` subclass for `env_name`, with that environment's parser and prompt."""
+  proto = protocol_lib.protocol(env_name)
+  attrs: dict[str, Any] = {"name": env_name, "protocol": proto, "__module__": __name__}
+  if env_name in environments.REGISTRY and env_name != "remote":
+    local = environments.env_class(env_name)
+    attrs.update(instruction=local.instruction, acknowledgement=local.acknowledgement,
+                 parse_action=staticmethod(local.parse_action),
+                 format_action=staticmethod(local.format_action))
+  elif env_name == "webarena":
+    attrs.update(instruction=_WEBARENA_INSTRUCTION, acknowledgement="Ok.",
+                 parse_action=staticmethod(_webarena_action),
+                 format_action=staticmethod(_webarena_format))
+  class_name = "Remote" + "".join(part.capitalize() for part in env_name.split("_"))
+  return type(class_name, (RemoteEnv,), attrs)

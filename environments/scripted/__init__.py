@@ -1,0 +1,1 @@
+"""A tiny scripted text environment for tests, benchmarks and learning smoke runs."""

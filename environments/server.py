@@ -1,0 +1,391 @@
+"""An HTTP server that speaks AgentGym's env-server protocol for one of our environments.
+
+    python -m environments.server --env babyai --port 36005 [--host 127.0.0.1] [--strict]
+
+AgentGym's clients (and AgentGym-RL's rollout) work against it unchanged: `/create`, `/reset`,
+`/step`, `/observation` and `/close` take and return each environment's own field names (see
+`environments.protocol`). As upstream, the server receives the action string that the
+*client* extracted from the agent's response and hands it to the environment as is.
+
+Where upstream answers a failure with HTTP 200 and `{"error": ...}`, this server answers a 4xx
+(400 malformed JSON or a missing/mistyped field, 404 unknown id, 409 an instance not in a state
+to step) or a 500 (the simulator failed), always with `{"error": "<what was wrong and what to
+do>"}`. AgentGym's clients assert status 200 and end the episode on anything else, exactly as
+they do on upstream's error bodies, so their happy path is unchanged.
+
+Extensions, not in upstream: `GET /health` (instance count, resident memory), `GET
+/expert_action?<id>=N` (the environment's expert move, for tests and demonstrations), and a
+`textenv` field in /step answers carrying the environment's normalised reward, truncation flag
+and info, which `environments.client.RemoteEnv` uses for exact parity with a local env.
+`--strict` drops the `textenv` field so the answers are byte-for-byte upstream's shape.
+
+Thread safety: id allocation and the instance table are guarded by one lock; each instance has
+its own lock, so calls on different instances run concurrently in the thread pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import math
+import os
+import threading
+from typing import Any
+
+import anyio
+import fastapi
+import uvicorn
+from fastapi import responses
+
+import environments
+from environments import protocol as protocol_lib
+from environments.base import TextEnv
+
+
+class RequestError(Exception):
+  """A failed request: HTTP status and a message for the caller."""
+
+  def __init__(self, status: int, message: str):
+    super().__init__(message)
+    self.status = status
+    self.message = message
+
+
+class _Instance:
+  """One environment instance and what its clients have seen of it."""
+
+  def __init__(self, env: TextEnv | None):
+    self.env = env
+    self.lock = threading.Lock()
+    self.observation = ""       # text answered by GET /observation
+    self.last_step: dict[str, Any] = {}
+    self.previous_raw = 0.0     # last raw score, for the per-step reward of score protocols
+    self.running = False        # reset, and not finished
+
+
+def _jsonable(value: Any) -> Any:
+  """`value` with numpy scalars and arrays turned into plain JSON values; others dropped."""
+  if isinstance(value, (str, bool)) or value is None:
+    return value
+  if isinstance(value, (int, float)):
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+  if isinstance(value, dict):
+    out = {}
+    for key, item in value.items():
+      item = _jsonable(item)
+      if item is not _SKIP:
+        out[str(key)] = item
+    return out
+  if isinstance(value, (list, tuple)):
+    return [item for item in map(_jsonable, value) if item is not _SKIP]
+  if hasattr(value, "tolist"):  # numpy scalar or array, without importing numpy
+    return _jsonable(value.tolist())
+  return _SKIP
+
+
+_SKIP = object()
+
+
+def _resident_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class EnvService:
+  """The instance table and the protocol logic, independent of the web framework."""
+
+  def __init__(self, env_factory, proto: protocol_lib.Protocol, strict: bool = False):
+    self.env_factory = env_factory
+    self.protocol = proto
+    self.strict = strict
+    self._lock = threading.Lock()
+    self._next_id = 0
+    self._instances: dict[int, _Instance] = {}
+
+  # ----- helpers -----------------------------------------------------------------------------
+
+  def _get(self, instance_id: int) -> _Instance:
+    with self._lock:
+      instance = self._instances.get(instance_id)
+    if instance is None:
+      raise RequestError(404, f"Unknown {self.protocol.id_key} {instance_id}: it was never "
+                              "created or is already closed. POST /create for a new one.")
+    return instance
+
+  @staticmethod
+  def _discard_env(instance: _Instance) -> None:
+    """Drops a failed simulator; it may be in any state, so the next reset builds a new one."""
+    env, instance.env, instance.running = instance.env, None, False
+    with contextlib.suppress(Exception):
+      env.close()
+
+  def _reset_locked(self, instance_id: int, instance: _Instance, task_id: int) -> Any:
+    if instance.env is None:
+      instance.env = self.env_factory()
+    instance.running = False
+    try:
+      observation, info = instance.env.reset(options={"task_id": task_id})
+    except (ValueError, IndexError, KeyError) as exc:
+      raise RequestError(400, f"Cannot reset to task {task_id}: {exc}") from exc
+    except Exception as exc:  # pylint: disable=broad-except
+      self._discard_env(instance)
+      raise RequestError(500, f"The environment failed to reset ({type(exc).__name__}: {exc}); "
+                              "the instance was rebuilt, try again.") from exc
+    instance.running = True
+    instance.previous_raw = 0.0
+    response = self.protocol.reset_response(instance_id, observation, info)
+    instance.observation = observation if isinstance(response, str) else response.get(
+        "observation", observation)
+    instance.last_step = {}
+    return response
+
+  # ----- endpoints ---------------------------------------------------------------------------
+
+  def create(self, task_id: int | None = None, reset_to_own_id: bool = False) -> Any:
+    """A new instance, reset to `task_id` (or to its own id) where upstream's server does so."""
+    env = self.env_factory()
+    with self._lock:
+      instance_id = self._next_id
+      self._next_id += 1
+      instance = self._instances[instance_id] = _Instance(env)
+    if reset_to_own_id:
+      task_id = instance_id
+    observation = None
+    if task_id is not None:
+      try:
+        with instance.lock:
+          self._reset_locked(instance_id, instance, task_id)
+          observation = instance.observation
+      except Exception:
+        # The caller never learns this id, so the instance must not outlive the failure.
+        self.close(instance_id)
+        raise
+    return self.protocol.create_response(instance_id, observation)
+
+  def reset(self, instance_id: int, task_id: int) -> Any:
+    instance = self._get(instance_id)
+    with instance.lock:
+      return self._reset_locked(instance_id, instance, task_id)
+
+  def step(self, instance_id: int, action: str) -> dict[str, Any]:
+    instance = self._get(instance_id)
+    with instance.lock:
+      if not instance.running:
+        raise RequestError(409, f"Instance {instance_id} has no running episode (never reset, "
+                                "finished, or failed). POST /reset to start one.")
+      try:
+        observation, reward, terminated, truncated, info = instance.env.step(action)
+      except Exception as exc:  # pylint: disable=broad-except
+        self._discard_env(instance)
+        raise RequestError(500, f"The environment failed on this step ({type(exc).__name__}: "
+                                f"{exc}); the instance was rebuilt, POST /reset.") from exc
+      raw = float(info.get("score", reward))
+      response = self.protocol.step_response(observation, raw, instance.previous_raw,
+                                             terminated, truncated)
+      instance.previous_raw = raw
+      instance.running = not (terminated or truncated)
+      instance.observation = observation
+      instance.last_step = response
+      if not self.strict:
+        response = dict(response, textenv={
+            "reward": float(reward), "terminated": terminated, "truncated": truncated,
+            "info": _jsonable(info)})
+      return response
+
+  def observation(self, instance_id: int) -> Any:
+    instance = self._get(instance_id)
+    with instance.lock:
+      return self.protocol.observation_response(instance.observation, instance.last_step)
+
+  def expert_action(self, instance_id: int) -> dict[str, str]:
+    instance = self._get(instance_id)
+    with instance.lock:
+      if not instance.running:
+        raise RequestError(409, f"Instance {instance_id} has no running episode; reset it.")
+      return {"action": instance.env.expert_action()}
+
+  def close(self, instance_id: int) -> Any:
+    instance = self._get(instance_id)
+    with instance.lock:
+      with self._lock:
+        self._instances.pop(instance_id, None)
+      if instance.env is not None:
+        instance.env.close()
+        instance.env = None
+    return self.protocol.close_response()
+
+  def health(self) -> dict[str, Any]:
+    with self._lock:
+      count = len(self._instances)
+    return {"status": "ok", "env": self.protocol.name, "instances": count,
+            "rss_bytes": _resident_bytes()}
+
+  def close_all(self) -> None:
+    with self._lock:
+      instances, self._instances = list(self._instances.values()), {}
+    for instance in instances:
+      with instance.lock:
+        if instance.env is not None:
+          with contextlib.suppress(Exception):
+            instance.env.close()
+          instance.env = None
+
+
+# ----- HTTP layer ----------------------------------------------------------------------------
+
+
+async def _json_body(request: fastapi.Request, required: bool = True) -> dict[str, Any]:
+  raw = await request.body()
+  if not raw.strip():
+    if required:
+      raise RequestError(400, "The request body is empty; send a JSON object.")
+    return {}
+  try:
+    body = json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    raise RequestError(400, f"The request body is not valid JSON ({exc}).") from exc
+  if not isinstance(body, dict):
+    raise RequestError(400, f"The request body must be a JSON object, got {type(body).__name__}.")
+  return body
+
+
+def _int_field(body: dict[str, Any], key: str, endpoint: str) -> int:
+  if key not in body:
+    raise RequestError(400, f"{endpoint} needs the field {key!r} (an integer); got fields "
+                            f"{sorted(body)}.")
+  value = body[key]
+  if isinstance(value, bool) or not isinstance(value, int):
+    raise RequestError(400, f"{endpoint}: field {key!r} must be an integer, got {value!r}.")
+  return value
+
+
+def _str_field(body: dict[str, Any], key: str, endpoint: str) -> str:
+  if key not in body:
+    raise RequestError(400, f"{endpoint} needs the field {key!r} (a string); got fields "
+                            f"{sorted(body)}.")
+  if not isinstance(body[key], str):
+    raise RequestError(400, f"{endpoint}: field {key!r} must be a string, got {body[key]!r}.")
+  return body[key]
+
+
+def _query_id(request: fastapi.Request, key: str) -> int:
+  value = request.query_params.get(key)
+  if value is None:
+    raise RequestError(400, f"Pass the instance as a query parameter: ?{key}=N.")
+  try:
+    return int(value)
+  except ValueError as exc:
+    raise RequestError(400, f"Query parameter {key}={value!r} is not an integer.") from exc
+
+
+def build_app(service: EnvService) -> fastapi.FastAPI:
+  """The FastAPI app serving `service` with its protocol's field names."""
+  proto = service.protocol
+  key = proto.id_key
+
+  @contextlib.asynccontextmanager
+  async def lifespan(_):
+    yield
+    service.close_all()
+
+  app = fastapi.FastAPI(title=f"agentgym-jax {proto.name} env server", lifespan=lifespan)
+
+  @app.exception_handler(RequestError)
+  async def _request_error(_, exc: RequestError):
+    return responses.JSONResponse({"error": exc.message}, status_code=exc.status)
+
+  @app.exception_handler(Exception)
+  async def _internal_error(_, exc: Exception):
+    return responses.JSONResponse(
+        {"error": f"Internal error: {type(exc).__name__}: {exc}"}, status_code=500)
+
+  async def call(fn, *args):
+    # Simulators block; the thread pool keeps the event loop serving other instances.
+    return await anyio.to_thread.run_sync(fn, *args)
+
+  @app.get("/")
+  async def hello():
+    return f"This is environment {proto.name} (agentgym-jax)."
+
+  @app.get("/health")
+  async def health():
+    return service.health()
+
+  @app.post("/create")
+  async def create(request: fastapi.Request):
+    body = await _json_body(request, required=False)
+    if body.get("commands") is not None or body.get("goal") is not None:
+      raise RequestError(400, "Custom TextCraft commands/goal are not supported; create "
+                              "without them and reset to a task id.")
+    if proto.name == "textcraft":
+      # Upstream TextCraft resets a new instance to data_idx = its own id, and its client
+      # reads the observation from the /create answer.
+      return await call(service.create, None, True)
+    task_id = None
+    if proto.name == "searchqa" and "id" in body:
+      # Upstream SearchQA preloads the item named in the /create body.
+      task_id = _int_field(body, "id", "/create")
+    return await call(service.create, task_id)
+
+  @app.post("/reset")
+  async def reset(request: fastapi.Request):
+    body = await _json_body(request)
+    instance_id = _int_field(body, key, "/reset")
+    task_id = _int_field(body, proto.reset_key, "/reset")
+    return await call(service.reset, instance_id, task_id)
+
+  @app.post("/step")
+  async def step(request: fastapi.Request):
+    body = await _json_body(request)
+    instance_id = _int_field(body, key, "/step")
+    action = _str_field(body, "action", "/step")
+    return await call(service.step, instance_id, action)
+
+  @app.get("/observation")
+  async def observation(request: fastapi.Request):
+    return await call(service.observation, _query_id(request, key))
+
+  @app.get("/expert_action")
+  async def expert_action(request: fastapi.Request):
+    return await call(service.expert_action, _query_id(request, key))
+
+  @app.post("/close")
+  async def close(request: fastapi.Request):
+    body = await _json_body(request)
+    return await call(service.close, _int_field(body, key, "/close"))
+
+  return app
+
+
+def env_factory(env: str):
+  """A zero-argument constructor for `env`: a REGISTRY name or "package.module:Class"."""
+  if ":" in env:
+    module_name, class_name = env.split(":", 1)
+    return getattr(importlib.import_module(module_name), class_name)
+  environments.env_class(env)  # fails early, with the known names, on a typo
+  return lambda: environments.make(env)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--env", required=True,
+                      help="environment: a name in environments.REGISTRY or module:Class")
+  parser.add_argument("--port", type=int, required=True)
+  parser.add_argument("--host", default="127.0.0.1",
+                      help="interface to bind (default loopback only; 0.0.0.0 exposes it)")
+  parser.add_argument("--protocol", default=None,
+                      help=f"field names to speak, one of {sorted(protocol_lib.PROTOCOLS)} "
+                           "(default: the environment's own)")
+  parser.add_argument("--strict", action="store_true",
+                      help="answer exactly upstream's fields (no 'textenv' extension)")
+  args = parser.parse_args(argv)
+  proto = protocol_lib.protocol(args.protocol or args.env)
+  service = EnvService(env_factory(args.env), proto, strict=args.strict)
+  uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning",
+              access_log=False)
+
+
+if __name__ == "__main__":
+  main()

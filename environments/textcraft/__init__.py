@@ -1,0 +1,1 @@
+"""TextCraft: craft a Minecraft item from given crafting commands (see `env.py`)."""

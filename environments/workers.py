@@ -1,0 +1,396 @@
+"""A pool of environment worker processes: batched, asynchronous, fault tolerant.
+
+`EnvPool` hosts many environment instances ("slots") in a few worker processes. A batched
+call sends one message to every worker that has work, then gathers the replies, so the
+workers step their environments in parallel while the parent waits once. Slot `s` lives in
+worker `s % num_workers` (round-robin), which spreads the members of a GRPO group, and the
+episodes that finish early, evenly over the workers.
+
+Simulators hold the GIL, can crash the interpreter and can hang, hence processes rather than
+threads. A worker that dies, or does not answer within `timeout_s`, is killed with its whole
+process group (ScienceWorld's JVMs included) and replaced; the episodes it was serving come
+back as failed outcomes (`terminated=True`, reward 0, `info["error"]` says why,
+`info["success"]=False`), and every other worker's results of the same call are kept.
+
+Workers are fresh interpreters (fork+exec), never plain forks: the parent may hold JAX's
+threads, which a forked child would inherit half-locked. This module never imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import weakref
+from multiprocessing import connection as mp_connection
+from typing import Any, Sequence
+
+import environments
+from environments.base import TextEnv
+
+EnvSpec = str | type[TextEnv]
+
+# Seconds a closing worker gets to release its environments before it is killed.
+_CLOSE_GRACE_S = 5.0
+
+
+@dataclasses.dataclass
+class StepOutcome:
+  """What one slot's reset or step produced."""
+
+  observation: str
+  reward: float
+  terminated: bool
+  truncated: bool
+  info: dict[str, Any]
+
+  @property
+  def failed(self) -> bool:
+    """True when the episode ended on an error rather than by the environment's rules."""
+    return "error" in self.info
+
+
+def failed_outcome(reason: str, task_id: int | None = None,
+                   action: str | None = None) -> StepOutcome:
+  """The outcome of an episode that ended on an error: terminated, reward 0, reason in info."""
+  info: dict[str, Any] = {"error": reason, "success": False, "score": 0.0}
+  if task_id is not None:
+    info["task_id"] = task_id
+  if action is not None:
+    info["action"] = action
+  return StepOutcome("", 0.0, True, False, info)
+
+
+# ----- worker process ------------------------------------------------------------------------
+
+
+def _build_env(env_spec: EnvSpec, env_kwargs: dict[str, Any]) -> TextEnv:
+  if isinstance(env_spec, str):
+    return environments.make(env_spec, **env_kwargs)
+  return env_spec(**env_kwargs)
+
+
+def _close_quietly(env: TextEnv) -> None:
+  # A broken simulator may fail to close too; the worker must carry on regardless.
+  try:
+    env.close()
+  except Exception:  # pylint: disable=broad-except
+    pass
+
+
+def _error_text(exc: BaseException) -> str:
+  frame = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+  where = f" at {os.path.basename(frame.filename)}:{frame.lineno}" if frame else ""
+  return f"{type(exc).__name__}: {exc}{where}"
+
+
+class _Slots:
+  """The environments of one worker process, keyed by pool slot."""
+
+  def __init__(self, env_spec: EnvSpec, env_kwargs: dict[str, Any]):
+    self.env_spec = env_spec
+    self.env_kwargs = env_kwargs
+    self.envs: dict[int, TextEnv] = {}
+
+  def discard(self, slot: int) -> None:
+    env = self.envs.pop(slot, None)
+    if env is not None:
+      _close_quietly(env)
+
+  def reset(self, slot: int, task_id: int) -> StepOutcome:
+    try:
+      env = self.envs.get(slot)
+      if env is None:
+        # Instances are reused across resets: creating one can be costly (a JVM for SciWorld).
+        env = self.envs[slot] = _build_env(self.env_spec, self.env_kwargs)
+      observation, info = env.reset(options={"task_id": task_id})
+    except Exception as exc:  # pylint: disable=broad-except
+      self.discard(slot)
+      return failed_outcome(f"reset of task {task_id} failed: {_error_text(exc)}", task_id)
+    return StepOutcome(observation, 0.0, False, False, info)
+
+  def step(self, slot: int, response: str) -> StepOutcome:
+    env = self.envs.get(slot)
+    if env is None or env.task_id is None:
+      return failed_outcome(
+          f"slot {slot} has no running episode; reset it first (its last episode failed, or "
+          "its worker was replaced after a crash or timeout).")
+    action = None
+    try:
+      action = env.parse_action(response)
+      observation, reward, terminated, truncated, info = env.step(action)
+    except Exception as exc:  # pylint: disable=broad-except
+      task_id = env.task_id
+      # The instance may be left in any state: a fresh one is built at the next reset.
+      self.discard(slot)
+      return failed_outcome(f"step raised {_error_text(exc)}", task_id, action)
+    info["action"] = action
+    return StepOutcome(observation, float(reward), bool(terminated), bool(truncated), info)
+
+  def close(self) -> None:
+    for slot in list(self.envs):
+      self.discard(slot)
+
+
+def _worker_main(conn: mp_connection.Connection, env_spec: EnvSpec,
+                 env_kwargs: dict[str, Any]) -> None:
+  """Serves ("reset" | "step", [(slot, arg), ...]) batches until "close" or the parent leaves."""
+  # Ctrl-C goes to the parent, which shuts the pool down in order.
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  slots = _Slots(env_spec, env_kwargs)
+  try:
+    while True:
+      try:
+        command, batch = conn.recv()
+      except (EOFError, OSError):
+        break
+      if command == "close":
+        break
+      if command == "reset":
+        results = [slots.reset(slot, task_id) for slot, task_id in batch]
+      elif command == "step":
+        results = [slots.step(slot, response) for slot, response in batch]
+      else:
+        raise ValueError(f"Unknown pool command {command!r}.")
+      conn.send(results)
+  finally:
+    slots.close()
+    conn.close()
+
+
+# ----- parent side ---------------------------------------------------------------------------
+
+# The worker's bootstrap: it takes the parent's sys.path first, so that `environments` and any
+# env class passed by reference import exactly as they do in the parent.
+_BOOTSTRAP = ("import sys; from multiprocessing.connection import Connection; "
+              "conn = Connection({fd}); sys.path[:] = conn.recv(); "
+              "from environments.workers import _worker_main; _worker_main(conn, *conn.recv())")
+
+
+def _describe_exit(returncode: int | None) -> str:
+  if returncode is None:
+    return "was still running"
+  if returncode < 0:
+    try:
+      return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+      return f"killed by signal {-returncode}"
+  return f"exit code {returncode}"
+
+
+class _Worker:
+  """One worker process and the parent's end of its socket.
+
+  Started as a fresh interpreter (fork+exec, safe in a threaded parent) rather than through
+  multiprocessing: 'spawn' and 'forkserver' re-import the parent's __main__ in the child, which
+  for `python -m agentgym_jax.train` would import JAX into every environment worker.
+  """
+
+  def __init__(self, index: int, env_spec: EnvSpec, env_kwargs: dict[str, Any]):
+    self.index = index
+    parent_sock, child_sock = socket.socketpair()
+    try:
+      # A new process group: the pool kills the worker together with any simulator it starts.
+      self.process = subprocess.Popen(
+          [sys.executable, "-c", _BOOTSTRAP.format(fd=child_sock.fileno())],
+          pass_fds=(child_sock.fileno(),), process_group=0, stdin=subprocess.DEVNULL)
+    finally:
+      # The child holds the only other end, so its death shows up here as EOF.
+      child_sock.close()
+    self.conn = mp_connection.Connection(parent_sock.detach())
+    self.conn.send(list(sys.path))
+    self.conn.send((env_spec, env_kwargs))
+
+  @property
+  def pid(self) -> int:
+    return self.process.pid
+
+  def kill(self) -> str:
+    """Kills the worker and its process group; returns how the worker had ended."""
+    returncode = self.process.poll()
+    try:
+      os.killpg(self.process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+      pass
+    self.process.wait()
+    self.conn.close()
+    return _describe_exit(returncode if returncode is not None else self.process.returncode)
+
+  def close(self) -> None:
+    try:
+      self.conn.send(("close", None))
+      self.process.wait(_CLOSE_GRACE_S)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+      pass
+    self.kill()
+
+
+def _shutdown(workers: list[_Worker]) -> None:
+  for worker in workers:
+    worker.close()
+  workers.clear()
+
+
+class EnvPool:
+  """Many environment instances in `num_workers` processes, reset and stepped in batches.
+
+  Args:
+    env_name: a name in `environments.REGISTRY` (e.g. "babyai", "remote"), or a `TextEnv`
+      subclass that the workers can import.
+    num_workers: worker processes.
+    env_kwargs: keyword arguments for every environment instance.
+    timeout_s: limit on each `reset`/`step` call: a worker that has not answered by then is
+      killed and its episodes come back failed. Choose it above the slowest batch one worker
+      serves (e.g. the creation of its SciWorld JVMs at the first reset).
+  """
+
+  def __init__(self, env_name: EnvSpec, num_workers: int = 2,
+               env_kwargs: dict[str, Any] | None = None, timeout_s: float = 60.0):
+    if num_workers < 1:
+      raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
+    if timeout_s <= 0:
+      raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+    self.env_kwargs = dict(env_kwargs or {})
+    if isinstance(env_name, str):
+      remote_name = self.env_kwargs.get("env_name") if env_name == "remote" else None
+      # The class gives the caller the env's instruction and parser without a round trip.
+      self.env_cls = environments.env_class(env_name, env_name=remote_name)
+    else:
+      self.env_cls = env_name
+    self.env_spec = env_name
+    self.num_workers = num_workers
+    self.timeout_s = float(timeout_s)
+    self._task_ids: dict[int, int] = {}
+    self._workers: list[_Worker] = []
+    # Runs at close(), at garbage collection and at interpreter exit, whichever comes first.
+    self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+    for index in range(num_workers):
+      self._workers.append(self._start_worker(index))
+
+  def _start_worker(self, index: int) -> _Worker:
+    return _Worker(index, self.env_spec, self.env_kwargs)
+
+  # ----- public API --------------------------------------------------------------------------
+
+  def reset(self, task_ids: Sequence[int],
+            slots: Sequence[int] | None = None) -> list[StepOutcome]:
+    """Starts task `task_ids[i]` in slot `slots[i]` (default: slot i); outcome per slot.
+
+    `info["instruction"]` and `info["task_id"]` are set. A reset that fails comes back as a
+    failed outcome (see the module docstring); the slot can be reset again.
+    """
+    slots = list(range(len(task_ids))) if slots is None else list(slots)
+    if len(slots) != len(task_ids):
+      raise ValueError(f"reset got {len(task_ids)} task ids for {len(slots)} slots.")
+    requests = [(int(slot), int(task_id)) for slot, task_id in zip(slots, task_ids)]
+    for slot, task_id in requests:
+      self._task_ids[slot] = task_id
+    return self._run("reset", requests)
+
+  def step(self, slots: Sequence[int], responses: Sequence[str]) -> list[StepOutcome]:
+    """Steps slot `slots[i]` with the agent's raw `responses[i]`; outcome per slot.
+
+    The worker applies the environment's `parse_action`; `info["action"]` is the parsed
+    action. Stepping a slot without a running episode gives a failed outcome.
+    """
+    if len(slots) != len(responses):
+      raise ValueError(f"step got {len(responses)} responses for {len(slots)} slots.")
+    return self._run("step", [(int(slot), str(response))
+                              for slot, response in zip(slots, responses)])
+
+  def worker_pid(self, slot: int) -> int:
+    """The process id of the worker that hosts `slot` (for monitoring and tests)."""
+    return self._workers[slot % self.num_workers].pid
+
+  def close(self) -> None:
+    """Stops every worker and its environments; safe to call twice."""
+    self._finalizer()
+
+  def __enter__(self) -> EnvPool:
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+  # ----- batching ----------------------------------------------------------------------------
+
+  def _run(self, command: str, requests: list[tuple[int, Any]]) -> list[StepOutcome]:
+    if not self._finalizer.alive:
+      raise RuntimeError("EnvPool is closed; create a new one.")
+    seen: set[int] = set()
+    for slot, _ in requests:
+      if slot < 0 or slot in seen:
+        raise ValueError(f"Slots must be distinct and >= 0; got slot {slot} in {command}.")
+      seen.add(slot)
+
+    batches: dict[int, list[tuple[int, Any]]] = {}
+    positions: dict[int, list[int]] = {}
+    for position, (slot, arg) in enumerate(requests):
+      index = slot % self.num_workers
+      batches.setdefault(index, []).append((slot, arg))
+      positions.setdefault(index, []).append(position)
+
+    outcomes: list[StepOutcome | None] = [None] * len(requests)
+
+    def fail(index: int, reason: str) -> None:
+      for position in positions[index]:
+        outcomes[position] = self._labelled(failed_outcome(reason), command, requests[position])
+
+    pending: dict[Any, int] = {}
+    try:
+      for index, batch in batches.items():
+        worker = self._workers[index]
+        try:
+          worker.conn.send((command, batch))
+        except (OSError, ValueError):
+          fail(index, self._replace(index, f"could not send {command} to it"))
+          continue
+        pending[worker.conn] = index
+
+      deadline = time.monotonic() + self.timeout_s
+      while pending:
+        ready = mp_connection.wait(list(pending), max(0.0, deadline - time.monotonic()))
+        if not ready:
+          break
+        for conn in ready:
+          index = pending.pop(conn)
+          try:
+            results = conn.recv()
+          except (EOFError, OSError):
+            fail(index, self._replace(index, f"it died during {command}"))
+            continue
+          for position, outcome in zip(positions[index], results):
+            if outcome.failed:
+              outcome = self._labelled(outcome, command, requests[position])
+            outcomes[position] = outcome
+      for index in list(pending.values()):
+        fail(index, self._replace(
+            index, f"it did not answer {command} within timeout_s={self.timeout_s:g}"))
+      pending.clear()
+    finally:
+      # Interrupted mid-call (e.g. Ctrl-C): a late reply would be read as the answer to the
+      # next call, so the workers still owing one are replaced.
+      for index in list(pending.values()):
+        self._replace(index, f"the pool call {command} was interrupted")
+    return outcomes
+
+  def _labelled(self, outcome: StepOutcome, command: str, request: tuple[int, Any]) -> StepOutcome:
+    """A failed outcome with the slot's task id and, for a step, the parsed action."""
+    slot, arg = request
+    if slot in self._task_ids:
+      outcome.info.setdefault("task_id", self._task_ids[slot])
+    if command == "step":
+      outcome.info.setdefault("action", self.env_cls.parse_action(arg))
+    return outcome
+
+  def _replace(self, index: int, why: str) -> str:
+    """Kills worker `index`, starts a fresh one, and returns the failure reason to report."""
+    old = self._workers[index]
+    how = old.kill()
+    self._workers[index] = self._start_worker(index)
+    return f"env worker {index} (pid {old.pid}) was replaced: {why} ({how})"

@@ -1,0 +1,359 @@
+"""Advantage estimators: hand-computed golden values, parity with per-timestep loops, jit hygiene.
+
+Layouts mimic multi-turn rows: prompt (mask 0), agent turns (mask 1) separated by observation
+segments (mask 0), right padding (mask 0); the outcome reward sits on the last agent token.
+"""
+
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agentgym_jax.rl import advantages
+from agentgym_jax.rl.advantages import ESTIMATORS
+
+GROUP_ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_plus_plus_baseline")
+
+
+def _whiten_ref(x, mask):
+  """verl's masked_whiten, masked positions set to 0."""
+  sel = x[mask > 0]
+  mean = sel.mean()
+  var = ((sel - mean) ** 2).sum() / (len(sel) - 1)
+  return (x - mean) / np.sqrt(var + 1e-8) * mask
+
+
+# ---------------------------------------------------------------------------- golden values
+
+
+# Shared tiny layout, B=2, L=5:
+#   row 0: agent agent | obs | agent | pad     (turn 1 = t0..t1, turn 2 = t3)
+#   row 1: agent | obs | agent agent | pad     (turn 1 = t0,     turn 2 = t2..t3)
+MASK = np.array([[1, 1, 0, 1, 0], [1, 0, 1, 1, 0]], np.float32)
+REWARDS = np.array([[0, 0, 0, 1, 0], [0, 0, 0, 2, 0]], np.float32)
+
+
+def test_gae_golden():
+  # Values on obs/pad tokens are junk (9, 7, 3) and must not be used.
+  values = np.array([[0.5, 0.25, 9.0, 0.5, 7.0], [0.0, 3.0, 1.0, 0.5, 0.0]], np.float32)
+  # gamma = 0.5, lam = 0.5, so gamma*lam = 0.25. Reverse over t; V', A' = next agent token's.
+  # Row 0: t3: delta = 1 + 0.5*0 - 0.5 = 0.5,         A = 0.5                   (V' = 0.5)
+  #        t2: obs, skipped (carry V' = 0.5, A' = 0.5)
+  #        t1: delta = 0 + 0.5*0.5 - 0.25 = 0,        A = 0 + 0.25*0.5 = 0.125  (V' = 0.25)
+  #        t0: delta = 0 + 0.5*0.25 - 0.5 = -0.375,   A = -0.375 + 0.25*0.125 = -0.34375
+  # Row 1: t3: delta = 2 + 0 - 0.5 = 1.5,             A = 1.5                   (V' = 0.5)
+  #        t2: delta = 0 + 0.5*0.5 - 1.0 = -0.75,     A = -0.75 + 0.25*1.5 = -0.375 (V' = 1)
+  #        t1: obs, skipped (carry V' = 1, A' = -0.375)
+  #        t0: delta = 0 + 0.5*1 - 0 = 0.5,           A = 0.5 + 0.25*(-0.375) = 0.40625
+  raw = np.array([[-0.34375, 0.125, 0, 0.5, 0], [0.40625, 0, -0.375, 1.5, 0]])
+  # returns = A + V on agent tokens.
+  want_returns = np.array([[0.15625, 0.375, 0, 1.0, 0], [0.40625, 0, 0.625, 2.0, 0]])
+  adv, ret = ESTIMATORS["gae"](REWARDS, MASK, values=values, gamma=0.5, lam=0.5)
+  np.testing.assert_allclose(ret, want_returns, atol=1e-6)
+  # Whitening over the 6 agent tokens: mean = 1.8125 / 6, unbiased var over 5 degrees.
+  np.testing.assert_allclose(adv, _whiten_ref(raw, MASK), atol=1e-6)
+
+
+def test_masked_whiten_golden():
+  # Masked mean of [1, 2, 3] is 2, squared deviations 1, 0, 1 -> unbiased var 2 / 2 = 1.
+  out = advantages.masked_whiten(jnp.array([[1.0, 2.0, 3.0, 100.0]]),
+                                 jnp.array([[1.0, 1.0, 1.0, 0.0]]))
+  np.testing.assert_allclose(out, [[-1.0, 0.0, 1.0, 0.0]], atol=1e-6)
+
+
+def test_reinforce_plus_plus_golden():
+  rewards = REWARDS.copy()
+  rewards[0, 1] = 0.5   # a per-turn reward at the end of row 0's first turn
+  # gamma = 0.5, G' carried through observation tokens:
+  # Row 0: t3: G = 1;  t2 obs: carry 1;  t1: G = 0.5 + 0.5*1 = 1.0;  t0: G = 0 + 0.5*1.0 = 0.5
+  # Row 1: t3: G = 2;  t2: G = 0 + 0.5*2 = 1;  t1 obs: carry 1;  t0: G = 0.5*1 = 0.5
+  # (verl would reset G on the obs token: row 0 t1 -> 0.5, t0 -> 0.25.)
+  want_returns = np.array([[0.5, 1.0, 0, 1.0, 0], [0.5, 0, 1.0, 2.0, 0]])
+  # Whitening: returns on agent tokens 0.5, 1, 1, 0.5, 1, 2: mean 6/6 = 1, deviations
+  # -0.5, 0, 0, -0.5, 0, 1 -> sum of squares 1.5, unbiased var 1.5 / 5 = 0.3.
+  want_adv = (want_returns - 1.0) / np.sqrt(0.3 + 1e-8) * MASK
+  adv, ret = ESTIMATORS["reinforce_plus_plus"](rewards, MASK, gamma=0.5)
+  np.testing.assert_allclose(ret, want_returns, atol=1e-6)
+  np.testing.assert_allclose(adv, want_adv, atol=1e-6)
+
+
+# Group layout, B=4, L=6: rows 0-2 are group 7 (scores 1, 0, 0), row 3 is group 9 alone (score 1).
+# Agent tokens per row: 2, 1, 2, 1, each row with an observation gap and padding.
+G_MASK = np.array([[0, 1, 0, 1, 0, 0],
+                   [0, 1, 0, 0, 0, 0],
+                   [1, 0, 0, 1, 0, 0],
+                   [0, 0, 1, 0, 0, 0]], np.float32)
+G_REWARDS = np.array([[0, 0, 0, 1, 0, 0],
+                      [0, 0, 0, 0, 0, 0],
+                      [0, 0, 0, 0, 0, 0],
+                      [0, 0, 1, 0, 0, 0]], np.float32)
+G_IDS = np.array([7, 7, 7, 9])
+
+
+def test_grpo_golden():
+  # Group 7: mean 1/3; deviations 2/3, -1/3, -1/3 -> unbiased var (4/9 + 1/9 + 1/9) / 2 = 1/3.
+  # Group 9 is a singleton: mean 0, std 1 -> A = 1 / (1 + eps).
+  std, eps = np.sqrt(1 / 3), 1e-6
+  want = np.array([(2 / 3) / (std + eps), (-1 / 3) / (std + eps), (-1 / 3) / (std + eps),
+                   1 / (1 + eps)])
+  adv, ret = ESTIMATORS["grpo"](G_REWARDS, G_MASK, group_ids=G_IDS, eps=eps)
+  np.testing.assert_allclose(adv, want[:, None] * G_MASK, atol=1e-6)
+  np.testing.assert_allclose(ret, adv)
+
+
+def test_drgrpo_golden():
+  # s - group mean: 1 - 1/3, 0 - 1/3, 0 - 1/3; singleton: 1 - 0.
+  want = np.array([2 / 3, -1 / 3, -1 / 3, 1.0])
+  adv, _ = ESTIMATORS["drgrpo"](G_REWARDS, G_MASK, group_ids=G_IDS)
+  np.testing.assert_allclose(adv, want[:, None] * G_MASK, atol=1e-6)
+
+
+def test_rloo_golden():
+  # s - mean of the others: 1 - (0 + 0)/2 = 1, 0 - (1 + 0)/2 = -0.5 (twice); singleton keeps 1.
+  want = np.array([1.0, -0.5, -0.5, 1.0])
+  adv, _ = ESTIMATORS["rloo"](G_REWARDS, G_MASK, group_ids=G_IDS)
+  np.testing.assert_allclose(adv, want[:, None] * G_MASK, atol=1e-6)
+
+
+def test_reinforce_plus_plus_baseline_golden():
+  # s - group mean (singleton mean 0): 2/3, -1/3, -1/3, 1, repeated on 2, 1, 2, 1 tokens:
+  # 2/3, 2/3, -1/3, -1/3, -1/3, 1 -> mean (4/3 - 1 + 1) / 6 = 2/9; deviations 4/9, 4/9, -5/9,
+  # -5/9, -5/9, 7/9 -> squares sum (16+16+25+25+25+49)/81 = 156/81, unbiased var 156/405.
+  dev = np.array([4 / 9, -5 / 9, -5 / 9, 7 / 9])
+  want = dev[:, None] / np.sqrt(156 / 405 + 1e-8) * G_MASK
+  adv, ret = ESTIMATORS["reinforce_plus_plus_baseline"](G_REWARDS, G_MASK, group_ids=G_IDS)
+  np.testing.assert_allclose(adv, want, atol=1e-6)
+  np.testing.assert_allclose(ret, adv)
+
+
+def test_outcome_rewards_on_last_agent_token():
+  # Last agent tokens: row 0 at t3, row 1 at t3; an all-masked row gets nothing.
+  mask = np.concatenate([MASK, np.zeros((1, 5), np.float32)])
+  r = advantages.outcome_rewards(jnp.array([1.0, 2.0, 5.0]), mask)
+  np.testing.assert_array_equal(r, np.concatenate([REWARDS, np.zeros((1, 5))]))
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_reward_on_last_agent_token_reaches_every_turn(name):
+  # Three turns, observations after the last one and padding; success row vs failure row in one
+  # group. Every agent token of the success row must get a larger advantage than the failure
+  # row's: the reward at the last agent token is not lost on the way back over observations.
+  mask = np.array([[0, 1, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0],
+                   [0, 1, 0, 0, 1, 1, 0, 1, 0, 0, 0, 0]], np.float32)
+  rewards = advantages.outcome_rewards(jnp.array([1.0, 0.0]), mask)
+  adv, _ = ESTIMATORS[name](rewards, mask, values=jnp.zeros_like(rewards),
+                            group_ids=jnp.array([0, 0]), gamma=1.0, lam=1.0)
+  adv = np.asarray(adv)
+  assert adv[0][mask[0] > 0].min() > adv[1][mask[1] > 0].max(), adv
+
+
+# ------------------------------------------------------------- parity with per-timestep loops
+
+
+def random_batch(seed, batch=12, length=40, groups=4):
+  """Multi-turn rows: prompt, agent/obs segments, right padding; one all-masked row."""
+  rng = np.random.default_rng(seed)
+  mask = np.zeros((batch, length), np.float64)
+  for b in range(batch - 1):
+    t = int(rng.integers(1, 5))
+    end = length - int(rng.integers(0, 8))
+    while t < end:
+      n = int(rng.integers(1, 7))
+      mask[b, t:min(t + n, end)] = 1
+      t += n + int(rng.integers(1, 6))
+  mask[0, 1] = 1  # at least one agent token somewhere
+  rewards = np.zeros_like(mask)
+  for b in range(batch):
+    agent = np.nonzero(mask[b])[0]
+    if len(agent):
+      rewards[b, agent[-1]] = rng.choice([0.0, 1.0, 0.3])
+      rewards[b, rng.choice(agent, size=min(2, len(agent)))] += rng.normal(0, 0.1, size=min(
+          2, len(agent)))  # per-turn rewards / KL penalties on agent tokens
+  values = rng.normal(size=mask.shape)
+  group_ids = 1000 + 17 * rng.integers(0, groups, size=batch)  # arbitrary, non-contiguous ids
+  group_ids[-1] = 5  # a singleton group
+  return rewards, mask, values, group_ids
+
+
+def gae_loop(rewards, mask, values, gamma, lam):
+  batch, length = rewards.shape
+  adv = np.zeros_like(rewards)
+  for b in range(batch):
+    next_value, next_adv = 0.0, 0.0
+    for t in reversed(range(length)):
+      if mask[b, t]:
+        delta = rewards[b, t] + gamma * next_value - values[b, t]
+        next_adv = delta + gamma * lam * next_adv
+        next_value = values[b, t]
+        adv[b, t] = next_adv
+  return _whiten_ref(adv, mask), (adv + values) * mask
+
+
+def rfpp_loop(rewards, mask, gamma):
+  returns = np.zeros_like(rewards)
+  for b in range(rewards.shape[0]):
+    g = 0.0
+    for t in reversed(range(rewards.shape[1])):
+      if mask[b, t]:
+        g = rewards[b, t] + gamma * g
+        returns[b, t] = g
+  return _whiten_ref(returns, mask), returns
+
+
+def group_loop(name, rewards, mask, group_ids, eps):
+  scores = rewards.sum(axis=1)
+  members = defaultdict(list)
+  for b, g in enumerate(group_ids):
+    members[g].append(scores[b])
+  out = np.zeros(len(scores))
+  for b, g in enumerate(group_ids):
+    s = np.array(members[g])
+    n = len(s)
+    mean = s.mean() if n > 1 else 0.0
+    if name == "grpo":
+      std = s.std(ddof=1) if n > 1 else 1.0
+      out[b] = (scores[b] - mean) / (std + eps)
+    elif name == "drgrpo":
+      out[b] = scores[b] - mean
+    elif name == "rloo":
+      out[b] = scores[b] - (s.sum() - scores[b]) / (n - 1) if n > 1 else scores[b]
+    else:
+      out[b] = scores[b] - mean
+  adv = out[:, None] * mask
+  if name == "reinforce_plus_plus_baseline":
+    adv = _whiten_ref(adv, mask)
+  return adv, adv
+
+
+def reference(name, rewards, mask, values, group_ids, gamma, lam, eps):
+  if name == "gae":
+    return gae_loop(rewards, mask, values, gamma, lam)
+  if name == "reinforce_plus_plus":
+    return rfpp_loop(rewards, mask, gamma)
+  return group_loop(name, rewards, mask, group_ids, eps)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_matches_loop_float64(name, seed):
+  rewards, mask, values, group_ids = random_batch(seed)
+  gamma, lam, eps = [(1.0, 1.0, 1e-6), (0.99, 0.95, 1e-6), (0.9, 0.7, 0.1)][seed]
+  want_adv, want_ret = reference(name, rewards, mask, values, group_ids, gamma, lam, eps)
+  with jax.enable_x64(True):
+    adv, ret = ESTIMATORS[name](rewards, mask, values=values, group_ids=group_ids, gamma=gamma,
+                                lam=lam, eps=eps)
+    assert adv.dtype == jnp.float64
+  np.testing.assert_allclose(adv, want_adv, atol=1e-6)
+  np.testing.assert_allclose(ret, want_ret, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_matches_loop_float32(name):
+  rewards, mask, values, group_ids = random_batch(3, batch=16, length=64)
+  want_adv, want_ret = reference(name, rewards, mask, values, group_ids, 0.99, 0.95, 1e-6)
+  adv, ret = ESTIMATORS[name](rewards.astype(np.float32), mask.astype(bool),
+                              values=values.astype(np.float32), group_ids=group_ids, gamma=0.99,
+                              lam=0.95)
+  assert adv.dtype == jnp.float32
+  np.testing.assert_allclose(adv, want_adv, atol=1e-5)
+  np.testing.assert_allclose(ret, want_ret, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["_gae_scan", "_gae_associative"])
+def test_gae_implementations_match_loop(impl):
+  # `gae` runs _gae_scan on CPU and _gae_associative on GPU/TPU: both must equal the loop.
+  rewards, mask, values, _ = random_batch(5, batch=9, length=57)
+  raw = np.zeros_like(rewards)
+  for b in range(rewards.shape[0]):  # verl's loop, output on every position (carry on obs)
+    next_value = next_adv = 0.0
+    for t in reversed(range(rewards.shape[1])):
+      adv = rewards[b, t] + 0.97 * next_value - values[b, t] + 0.97 * 0.9 * next_adv
+      if mask[b, t]:
+        next_value, next_adv = values[b, t], adv
+      raw[b, t] = next_adv
+  with jax.enable_x64(True):
+    got = getattr(advantages, impl)(rewards, values, mask, 0.97, 0.9)
+  np.testing.assert_allclose(got, raw, atol=1e-9)
+
+
+@pytest.mark.parametrize("impl", ["_recurrence_scan", "_recurrence_associative"])
+def test_recurrence_implementations_match_loop(impl):
+  rng = np.random.default_rng(6)
+  a, b = rng.uniform(0, 1.2, size=(5, 33)), rng.normal(size=(5, 33))
+  want, x = np.zeros_like(a), np.zeros(5)
+  for t in reversed(range(33)):
+    x = a[:, t] * x + b[:, t]
+    want[:, t] = x
+  with jax.enable_x64(True):
+    np.testing.assert_allclose(getattr(advantages, impl)(a, b), want, atol=1e-9)
+
+
+# ------------------------------------------------------------------------------ jit hygiene
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_no_recompile_when_values_change(name):
+  traces = []
+
+  def update(rewards, mask, values, group_ids, gamma, lam):
+    traces.append(None)  # runs once per trace
+    return ESTIMATORS[name](rewards, mask, values=values, group_ids=group_ids, gamma=gamma,
+                            lam=lam)
+
+  jitted = jax.jit(update)
+  fn = ESTIMATORS[name]
+  before = fn._cache_size()
+  for seed in range(3):
+    rewards, mask, values, group_ids = random_batch(seed, batch=7, length=29)
+    args = (rewards.astype(np.float32), mask.astype(bool), values.astype(np.float32),
+            group_ids.astype(np.int32))
+    gamma, lam = 0.9 + 0.03 * seed, 0.8 + 0.05 * seed
+    jax.block_until_ready(jitted(*args, gamma, lam))
+    jax.block_until_ready(fn(args[0], args[1], values=args[2], group_ids=args[3], gamma=gamma,
+                             lam=lam))
+  assert len(traces) == 1
+  assert fn._cache_size() - before == 1
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+def test_shape_errors_are_clear():
+  r = np.zeros((2, 5), np.float32)
+  with pytest.raises(ValueError, match=r"mask shape \(2, 4\) != rewards shape \(2, 5\)"):
+    ESTIMATORS["grpo"](r, np.zeros((2, 4)), group_ids=np.zeros(2, np.int32))
+  with pytest.raises(ValueError, match="values shape"):
+    ESTIMATORS["gae"](r, r, values=np.zeros((2, 6)))
+  with pytest.raises(ValueError, match="gae needs values"):
+    ESTIMATORS["gae"](r, r)
+  with pytest.raises(ValueError, match="needs group_ids"):
+    ESTIMATORS["rloo"](r, r)
+  with pytest.raises(ValueError, match=r"group_ids must be \[B\]"):
+    ESTIMATORS["grpo"](r, r, group_ids=np.zeros(3, np.int32))
+  with pytest.raises(ValueError, match=r"rewards must be \[B, L\]"):
+    ESTIMATORS["reinforce_plus_plus"](np.zeros(5), np.zeros(5))
+  with pytest.raises(KeyError, match="registered: .*grpo"):
+    ESTIMATORS["gpro"]  # pylint: disable=pointless-statement
+
+
+def test_shape_errors_raise_inside_jit():
+  r = jnp.zeros((2, 5))
+  with pytest.raises(ValueError, match="mask shape"):
+    jax.jit(lambda r, m: ESTIMATORS["reinforce_plus_plus"](r, m))(r, jnp.zeros((2, 3)))
+
+
+@pytest.mark.parametrize("name", sorted(ESTIMATORS))
+def test_all_masked_rows_give_zeros(name):
+  rewards, mask, values, group_ids = random_batch(4)
+  mask[2] = 0
+  rewards[2, 5] = 3.0  # a stray reward on a row without agent tokens
+  adv, ret = ESTIMATORS[name](rewards, mask, values=values, group_ids=group_ids)
+  assert np.isfinite(adv).all() and np.isfinite(ret).all()
+  np.testing.assert_array_equal(adv[2], 0)
+  np.testing.assert_array_equal(ret[2], 0)
+  # A batch without any agent token at all.
+  adv, ret = ESTIMATORS[name](rewards, np.zeros_like(mask), values=values, group_ids=group_ids)
+  np.testing.assert_array_equal(adv, 0)
+  np.testing.assert_array_equal(ret, 0)

@@ -1,0 +1,168 @@
+"""HF checkpoint import/export and config parsing, checked against transformers' PyTorch models."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agentgym_jax.models import ModelConfig, load_hf, save_hf
+from agentgym_jax.models import hf_io
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+FAMILIES = {
+    "qwen2_tied": ("Qwen2Config", "Qwen2ForCausalLM",
+                   dict(tie_word_embeddings=True, rope_theta=10000.0)),
+    "qwen2_untied": ("Qwen2Config", "Qwen2ForCausalLM",
+                     dict(tie_word_embeddings=False, rope_theta=1e6)),
+    # head_dim 24 != hidden / heads = 16: Qwen3 decouples them.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(head_dim=24, tie_word_embeddings=True, rope_theta=1e6)),
+    # original_max_position_embeddings 16 puts the test positions into all three llama3 bands.
+    "llama3": ("LlamaConfig", "LlamaForCausalLM",
+               dict(tie_word_embeddings=False, num_key_value_heads=1,
+                    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                         low_freq_factor=1.0, high_freq_factor=4.0,
+                                         original_max_position_embeddings=16))),
+}
+
+
+def write_checkpoint(path, family, seed=0):
+  """Saves a random tiny transformers model; biases and norm scales are perturbed from their
+  zero/one init so that a loader mixing them up cannot pass. Returns the torch model."""
+  config_cls, model_cls, extra = FAMILIES[family]
+  config = getattr(transformers, config_cls)(**{**_SMALL, **extra})
+  torch.manual_seed(seed)
+  model = getattr(transformers, model_cls)(config).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if "bias" in name or "norm" in name:
+        p.add_(0.2 * torch.randn_like(p))
+  model.save_pretrained(path)
+  return model
+
+
+def padded_batch(seed=0, lengths=(13, 8, 3, 1), vocab=256):
+  t = max(lengths)
+  tokens = np.random.RandomState(seed).randint(0, vocab, (len(lengths), t)).astype(np.int32)
+  valid = np.arange(t)[None] < np.asarray(lengths)[:, None]
+  return tokens, valid
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_match_transformers(tmp_path, family):
+  torch_model = write_checkpoint(tmp_path, family)
+  cfg, model = load_hf(tmp_path)
+  tokens, valid = padded_batch()
+  with torch.no_grad():
+    ref = torch_model(input_ids=torch.tensor(tokens, dtype=torch.long),
+                      attention_mask=torch.tensor(valid, dtype=torch.long)).logits.numpy()
+  ours = np.asarray(model(jnp.asarray(tokens), jnp.asarray(valid)))
+  assert ours.dtype == np.float32
+  diff = np.abs(ours - ref)[valid].max()
+  assert diff < 1e-4, f"{family}: max |logit diff| {diff}"
+  # The reference must actually vary, or agreement would mean nothing.
+  assert ref[valid].std() > 1e-2
+
+
+def test_config_features_per_family(tmp_path):
+  for family in FAMILIES:
+    write_checkpoint(tmp_path / family, family)
+  q2 = ModelConfig.from_hf_config(tmp_path / "qwen2_tied")
+  assert (q2.model_type, q2.qkv_bias, q2.qk_norm, q2.tie_embeddings) == ("qwen2", True, False,
+                                                                          True)
+  assert ModelConfig.from_hf_config(tmp_path / "qwen2_untied").rope_theta == 1e6
+  q3 = ModelConfig.from_hf_config(tmp_path / "qwen3" / "config.json")
+  assert (q3.qkv_bias, q3.qk_norm, q3.head_dim) == (False, True, 24)
+  ll = ModelConfig.from_hf_config(tmp_path / "llama3")
+  assert dict(ll.rope_scaling) == dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                       original_max_position_embeddings=16.0)
+  assert (ll.num_kv_heads, ll.rope_theta, ll.tie_embeddings) == (1, 500000.0, False)
+
+
+@pytest.mark.parametrize("family", ["qwen2_untied", "qwen3"])
+def test_round_trip_exact_and_transformers_loads_export(tmp_path, family):
+  write_checkpoint(tmp_path / "in", family)
+  cfg, model = load_hf(tmp_path / "in")
+  save_hf(model, tmp_path / "out")
+  cfg2, model2 = load_hf(tmp_path / "out")
+  assert cfg2 == cfg
+  for (p1, a), (p2, b) in zip(jax.tree.leaves_with_path(model), jax.tree.leaves_with_path(model2)):
+    assert p1 == p2 and np.array_equal(np.asarray(a), np.asarray(b)), p1
+  # Exported tensors equal the original HF tensors bit for bit.
+  original = hf_io._SafetensorsDir(str(tmp_path / "in"))
+  exported = hf_io._SafetensorsDir(str(tmp_path / "out"))
+  assert set(exported.weight_map) <= set(original.weight_map)
+  for name in exported.weight_map:
+    np.testing.assert_array_equal(exported.get(name), original.get(name), err_msg=name)
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+  tokens, valid = padded_batch(seed=1)
+  with torch.no_grad():
+    ref = reloaded(input_ids=torch.tensor(tokens, dtype=torch.long),
+                   attention_mask=torch.tensor(valid, dtype=torch.long)).logits.numpy()
+  ours = np.asarray(model(jnp.asarray(tokens), jnp.asarray(valid)))
+  assert np.abs(ours - ref)[valid].max() < 1e-4
+
+
+def test_bfloat16_load_and_export(tmp_path):
+  write_checkpoint(tmp_path / "in", "qwen2_tied")
+  cfg, model = load_hf(tmp_path / "in", dtype=jnp.bfloat16)
+  assert cfg.param_dtype == "bfloat16"
+  assert {x.dtype for x in jax.tree.leaves(model)} == {jnp.dtype(jnp.bfloat16)}
+  save_hf(model, tmp_path / "out")
+  assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+  _, again = load_hf(tmp_path / "out", dtype=jnp.bfloat16)
+  for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(again)):
+    assert np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  tokens, valid = padded_batch()
+  _, full = load_hf(tmp_path / "in")
+  logits = model(jnp.asarray(tokens), jnp.asarray(valid))
+  assert logits.dtype == jnp.float32
+  diff = np.abs(np.asarray(logits) - np.asarray(full(jnp.asarray(tokens), jnp.asarray(valid))))
+  assert diff[valid].max() < 0.1  # bf16 rounding only
+
+
+def test_sharded_index_checkpoint(tmp_path):
+  torch_model = write_checkpoint(tmp_path / "single", "qwen2_untied")
+  # max_shard_size small enough to split the 2-layer model over several files.
+  torch_model.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+  assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+  _, a = load_hf(tmp_path / "single")
+  _, b = load_hf(tmp_path / "sharded")
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_fuse_split_inverse():
+  cfg = ModelConfig(vocab_size=8, hidden_size=12, intermediate_size=6, num_layers=1,
+                    num_heads=6, num_kv_heads=2, head_dim=4)
+  rng = np.random.RandomState(0)
+  q, k, v = rng.randn(24, 12), rng.randn(8, 12), rng.randn(8, 12)
+  fused = hf_io.fuse_qkv(cfg, q, k, v)
+  assert fused.shape == (12, 40)
+  # kv group 1 starts with query head 3 (heads 3, 4, 5 share kv head 1).
+  np.testing.assert_array_equal(fused[:, 20:24], q[12:16].T)
+  np.testing.assert_array_equal(fused[:, 32:36], k[4:8].T)
+  for a, b in zip(hf_io.split_qkv(cfg, fused), (q, k, v)):
+    np.testing.assert_array_equal(a, b)
+  gate, up = rng.randn(6, 12), rng.randn(6, 12)
+  gu = hf_io.fuse_gate_up(gate, up)
+  np.testing.assert_array_equal(gu[:, 2], gate[1])
+  np.testing.assert_array_equal(gu[:, 3], up[1])
+  for a, b in zip(hf_io.split_gate_up(gu), (gate, up)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_missing_tensor_is_a_clear_error(tmp_path):
+  write_checkpoint(tmp_path, "qwen2_tied")
+  config = json.loads((tmp_path / "config.json").read_text())
+  config["tie_word_embeddings"] = False
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  with pytest.raises(KeyError, match="lm_head.weight"):
+    load_hf(tmp_path)

@@ -1,0 +1,260 @@
+"""Decoder, KV cache, value model and config parsing on tiny random configs (no torch needed)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from agentgym_jax.models import Decoder, KVCache, ModelConfig, ValueModel
+from agentgym_jax.models.decoder import RMSNorm, apply_rope, rope_tables
+
+TINY = ModelConfig(vocab_size=128, hidden_size=48, intermediate_size=80, num_layers=2,
+                   num_heads=6, num_kv_heads=2, head_dim=8, qkv_bias=True, qk_norm=True,
+                   tie_embeddings=False, model_type="qwen3")
+
+
+def _randomize(model, seed=1):
+  """Perturbs every parameter (biases start at zero, norms at one) so that no code path hides."""
+  state = nnx.state(model, nnx.Param)
+  leaves, treedef = jax.tree.flatten(state)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  noisy = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+  nnx.update(model, jax.tree.unflatten(treedef, noisy))
+  return model
+
+
+def _make(cfg, seed=0, randomize=True):
+  """Builds (and perturbs) a model under jit: eager creation dispatches op by op."""
+  make = lambda: Decoder(cfg, rngs=nnx.Rngs(seed))
+  return nnx.jit(lambda: _randomize(make()) if randomize else make())()
+
+
+# Jitted entry points; the models are pytrees of arrays, so these compile once per shape.
+_forward = nnx.jit(lambda m, t, v: m(t, v))
+_extend = nnx.jit(lambda m, t, n, c: m.extend(t, n, c))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _make(TINY)
+
+
+def _batch(lengths, seed=0, vocab=TINY.vocab_size):
+  t = max(lengths)
+  tokens = jax.random.randint(jax.random.key(seed), (len(lengths), t), 0, vocab)
+  valid = jnp.arange(t)[None] < jnp.asarray(lengths)[:, None]
+  return tokens.astype(jnp.int32), valid
+
+
+def test_forward_shapes_and_dtypes(model):
+  tokens, valid = _batch([7, 3])
+  logits = _forward(model, tokens, valid)
+  assert logits.shape == (2, 7, TINY.vocab_size) and logits.dtype == jnp.float32
+  hidden = nnx.jit(lambda m: m.hidden_states(tokens, valid))(model)
+  assert hidden.shape == (2, 7, TINY.hidden_size)
+  np.testing.assert_allclose(nnx.jit(lambda m: m.logits_from_hidden(hidden))(model), logits,
+                             atol=1e-6)
+  assert TINY.num_params == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def test_padding_and_future_tokens_do_not_leak(model):
+  tokens, valid = _batch([9, 5, 2])
+  logits = _forward(model, tokens, valid)
+  # Garbage (even out-of-range ids) in the padding changes nothing at valid positions.
+  junk = jnp.where(valid, tokens, jnp.array([[-5], [10_000], [3]]))
+  np.testing.assert_allclose(np.asarray(_forward(model, junk, valid))[np.asarray(valid)],
+                             np.asarray(logits)[np.asarray(valid)], atol=1e-5)
+  # A row alone and unpadded gives the same logits as inside the padded batch.
+  alone = _forward(model, tokens[1:2, :5], valid[1:2, :5])
+  np.testing.assert_allclose(alone[0], logits[1, :5], atol=1e-5)
+  # Causality: changing token 6 leaves positions 0..5 untouched, but moves position 6.
+  changed = _forward(model, tokens.at[0, 6].set((tokens[0, 6] + 1) % TINY.vocab_size), valid)
+  np.testing.assert_allclose(changed[0, :6], logits[0, :6], atol=1e-6)
+  assert np.abs(changed[0, 6] - logits[0, 6]).max() > 1e-3
+
+
+def test_prefill_then_token_by_token_decode_matches_full_forward(model):
+  lengths = [10, 6, 8]
+  tokens, valid = _batch(lengths, seed=2)
+  full = np.asarray(_forward(model, tokens, valid))
+  prompt = np.array([4, 1, 3])
+  cache = KVCache.init(TINY, batch_size=3, max_len=12)
+  prompt_tokens = jnp.where(jnp.arange(4)[None] < prompt[:, None], tokens[:, :4], 0)
+  logits, cache = _extend(model, prompt_tokens, jnp.asarray(prompt), cache)
+  got = {(b, t): logits[b, t] for b in range(3) for t in range(prompt[b])}
+  pos = prompt.copy()
+  while (pos < lengths).any():
+    active = pos < lengths
+    step = np.where(active, np.asarray(tokens)[np.arange(3), np.minimum(pos, 9)], 0)
+    logits, cache = _extend(model, jnp.asarray(step[:, None]), jnp.asarray(active, jnp.int32),
+                           cache)
+    for b in np.flatnonzero(active):
+      got[(b, pos[b])] = logits[b, 0]
+    pos += active
+  np.testing.assert_array_equal(cache.lengths, lengths)
+  for (b, t), value in got.items():
+    np.testing.assert_allclose(value, full[b, t], atol=1e-4, err_msg=f"row {b} pos {t}")
+  assert len(got) == sum(lengths)
+
+
+def test_chunks_at_per_row_offsets_match_full_forward(model):
+  lengths = np.array([11, 7, 9])
+  tokens, valid = _batch(list(lengths), seed=3)
+  full = np.asarray(_forward(model, tokens, valid))
+  seq = np.asarray(tokens)
+  schedule = np.array([[4, 2, 5], [0, 3, 4], [7, 2, 0]])  # row b takes schedule[i, b] tokens
+  assert (schedule.sum(0) == lengths).all()
+  chunk_len = 7
+  cache = KVCache.init(TINY, batch_size=3, max_len=16)
+  rng = np.random.RandomState(0)
+  done = np.zeros(3, int)
+  for num_new in schedule:
+    # Padding inside the chunk is random tokens: it must not matter.
+    chunk = rng.randint(0, TINY.vocab_size, (3, chunk_len))
+    for b in range(3):
+      chunk[b, :num_new[b]] = seq[b, done[b]:done[b] + num_new[b]]
+    logits, cache = _extend(model, jnp.asarray(chunk, jnp.int32), jnp.asarray(num_new), cache)
+    for b in range(3):
+      np.testing.assert_allclose(logits[b, :num_new[b]], full[b, done[b]:done[b] + num_new[b]],
+                                 atol=1e-4)
+    done += num_new
+    np.testing.assert_array_equal(cache.lengths, done)
+
+
+def test_writes_past_cache_end_are_dropped(model):
+  cache = KVCache.init(TINY, batch_size=1, max_len=8)
+  tokens, valid = _batch([8], seed=4)
+  _, cache = _extend(model, tokens[:, :6], jnp.array([6]), cache)
+  before = np.asarray(cache.k[:, :, :, :6])
+  # Chunk of 4 at offset 6 with 2 real tokens: slots 8, 9 do not exist; nothing shifts back.
+  chunk = jnp.concatenate([tokens[:, 6:8], jnp.zeros((1, 2), jnp.int32)], axis=1)
+  logits, cache = _extend(model, chunk, jnp.array([2]), cache)
+  np.testing.assert_array_equal(np.asarray(cache.k[:, :, :, :6]), before)
+  np.testing.assert_allclose(logits[0, :2], _forward(model, tokens, valid)[0, 6:8], atol=1e-4)
+
+
+def test_kv_cache_init_and_donation():
+  cache = KVCache.init(TINY, batch_size=3, max_len=16, dtype=jnp.bfloat16)
+  assert cache.k.shape == (2, 3, 2, 16, 8) and cache.k.dtype == jnp.bfloat16
+  assert cache.lengths.dtype == jnp.int32 and cache.max_len == 16 and cache.batch_size == 3
+  assert cache.k.unsafe_buffer_pointer() != cache.v.unsafe_buffer_pointer()
+  graphdef, state = nnx.split(_make(TINY, randomize=False))
+  step = jax.jit(lambda s, t, n, c: nnx.merge(graphdef, s).extend(t, n, c), donate_argnums=3)
+  _, new = step(state, jnp.ones((3, 2), jnp.int32), jnp.array([2, 1, 0]), cache)
+  np.testing.assert_array_equal(new.lengths, [2, 1, 0])
+  assert new.k.dtype == jnp.bfloat16
+
+
+def test_bfloat16_params_give_float32_logits():
+  cfg = dataclasses.replace(TINY, param_dtype="bfloat16")
+  model = _make(cfg, randomize=False)
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(model))} == {jnp.dtype(jnp.bfloat16)}
+  tokens, valid = _batch([5, 3])
+  assert _forward(model, tokens, valid).dtype == jnp.float32
+
+
+def test_remat_same_gradients(model):
+  tokens, valid = _batch([6, 4], seed=5)
+  graphdef, state = nnx.split(model)
+  remat_graphdef, _ = nnx.split(nnx.eval_shape(
+      lambda: Decoder(dataclasses.replace(TINY, remat=True), rngs=nnx.Rngs(0))))
+
+  def loss(state, gd):
+    logits = nnx.merge(gd, state)(tokens, valid)
+    return jnp.sum(jnp.where(valid, jax.nn.log_softmax(logits)[..., 0], 0))
+
+  g1 = jax.jit(jax.grad(lambda s: loss(s, graphdef)))(state)
+  g2 = jax.jit(jax.grad(lambda s: loss(s, remat_graphdef)))(state)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(g1))
+
+
+def test_value_model(model):
+  tokens, valid = _batch([6, 2])
+  values = nnx.jit(lambda: ValueModel(TINY, rngs=nnx.Rngs(0))(tokens, valid))()
+  assert values.shape == (2, 6) and values.dtype == jnp.float32
+  np.testing.assert_array_equal(values, 0.0)  # zero-initialised head
+  critic = ValueModel.from_policy(model, rngs=nnx.Rngs(1))
+  hidden = nnx.jit(lambda m: m.hidden_states(tokens, valid))(model)
+  np.testing.assert_array_equal(nnx.jit(lambda c: c.backbone(tokens, valid))(critic), hidden)
+  assert (critic.backbone.embed[...].unsafe_buffer_pointer()
+          != model.backbone.embed[...].unsafe_buffer_pointer())
+  critic.head[...] = jnp.ones((TINY.hidden_size,))
+  np.testing.assert_allclose(nnx.jit(lambda c: c(tokens, valid))(critic), hidden.sum(-1),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_rmsnorm_and_rope_golden_values():
+  norm = RMSNorm(2, eps=0.0, dtype=jnp.float32, names=("norm",))
+  np.testing.assert_allclose(norm(jnp.array([[3.0, 4.0]])),
+                             [[3 / np.sqrt(12.5), 4 / np.sqrt(12.5)]], rtol=1e-6)
+  cfg = ModelConfig(vocab_size=4, hidden_size=4, intermediate_size=4, num_layers=1, num_heads=1,
+                    num_kv_heads=1, rope_theta=100.0)
+  np.testing.assert_allclose(cfg.inv_freq(), [1.0, 0.1], rtol=1e-6)
+  cos, sin = rope_tables(cfg, jnp.array([[2]]))
+  x = jnp.array([[[1.0, 2.0, 3.0, 4.0]]])  # [B, T, Dh]; halves (1, 2) and (3, 4) pair up
+  c0, s0, c1, s1 = np.cos(2.0), np.sin(2.0), np.cos(0.2), np.sin(0.2)
+  expected = [1 * c0 - 3 * s0, 2 * c1 - 4 * s1, 3 * c0 + 1 * s0, 4 * c1 + 2 * s1]
+  np.testing.assert_allclose(apply_rope(x, cos, sin)[0, 0], expected, rtol=1e-5)
+
+
+def test_llama3_rope_scaling_bands():
+  cfg = ModelConfig(vocab_size=4, hidden_size=16, intermediate_size=4, num_layers=1,
+                    num_heads=1, num_kv_heads=1, rope_theta=10000.0,
+                    rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                      original_max_position_embeddings=64))
+  base = dataclasses.replace(cfg, rope_scaling=None).inv_freq()
+  scaled = cfg.inv_freq()
+  wavelen = 2 * np.pi / base
+  high, low = wavelen < 16, wavelen > 64  # wavelengths below 64/4 and above 64/1
+  np.testing.assert_allclose(scaled[high], base[high])
+  np.testing.assert_allclose(scaled[low], base[low] / 8, rtol=1e-6)
+  mid = ~high & ~low
+  assert mid.any() and (scaled[mid] < base[mid]).all() and (scaled[mid] > base[mid] / 8).all()
+
+
+_HF_BASE = dict(model_type="qwen2", vocab_size=256, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_from_hf_config_accepts_both_rope_theta_spellings():
+  top = ModelConfig.from_hf_config({**_HF_BASE, "rope_theta": 1e6})
+  nested = ModelConfig.from_hf_config(
+      {**_HF_BASE, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}})
+  assert top == nested and top.rope_theta == 1e6 and top.head_dim == 16
+  llama31 = ModelConfig.from_hf_config(
+      {**_HF_BASE, "model_type": "llama", "rope_theta": 5e5,
+       "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})
+  assert dict(llama31.rope_scaling)["factor"] == 32.0 and not llama31.qkv_bias
+  from_arch = ModelConfig.from_hf_config(
+      {k: v for k, v in {**_HF_BASE, "rope_theta": 1e4, "architectures": ["Qwen3ForCausalLM"]
+                         }.items() if k != "model_type"})
+  assert from_arch.qk_norm
+  assert hash(top) == hash(nested)  # usable as a static jit argument
+  assert ModelConfig.from_hf_config(top.to_hf_config()) == top
+
+
+@pytest.mark.parametrize("patch, message", [
+    (dict(use_sliding_window=True, sliding_window=128), "Sliding-window"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "yarn"),
+    (dict(model_type="gemma2"), "Unsupported model_type 'gemma2'"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(num_key_value_heads=3), "multiple of num_kv_heads"),
+    (dict(model_type="llama", mlp_bias=True), "mlp_bias"),
+    (dict(model_type="llama", rope_parameters={"rope_type": "llama3", "rope_theta": 1e4,
+                                               "factor": 8.0}), "llama3 rope scaling lacks"),
+    (dict(layer_types=["full_attention", "sliding_attention"]), "full attention"),
+])
+def test_bad_configs_fail_clearly(patch, message):
+  with pytest.raises(ValueError, match=message):
+    ModelConfig.from_hf_config({**_HF_BASE, "rope_theta": 1e4, **patch})
+
+
+def test_missing_config_file(tmp_path):
+  with pytest.raises(FileNotFoundError, match="config.json"):
+    ModelConfig.from_hf_config(tmp_path)

@@ -1,0 +1,162 @@
+"""Sampler: filtering golden values, greedy, per-row stops, log-probs, chunked extend."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from agentgym_jax.models import Decoder, KVCache, ModelConfig
+from agentgym_jax.rollout import sampler
+from agentgym_jax.rollout.sampler import SamplingConfig
+
+VOCAB = 97
+CFG = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2)
+PROBS = np.asarray([0.5, 0.3, 0.15, 0.05])
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Decoder(CFG, rngs=nnx.Rngs(0))
+
+
+def _keys(n, seed=0):
+  return jax.random.split(jax.random.key(seed), n)
+
+
+def _prefill(model, prompts, max_len=64):
+  """Extends an empty cache with right-padded prompts; returns cache, logits."""
+  graphdef, state = nnx.split(model)
+  lens = np.asarray([len(p) for p in prompts], np.int32)
+  tokens = np.zeros((len(prompts), sampler.chunk_bucket(lens.max())), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  cache = KVCache.init(CFG, len(prompts), max_len)
+  logits = jnp.zeros((len(prompts), VOCAB))
+  return sampler.extend(graphdef, state, cache, logits, tokens, lens)
+
+
+PROMPTS = [[5, 17, 3, 9], [11, 2, 40, 41, 42, 43, 44], [7], [60, 61, 62]]
+
+
+def test_filter_top_p_golden():
+  logits = jnp.log(jnp.asarray([PROBS]))
+  kept = lambda cfg: np.flatnonzero(np.asarray(sampler.filter_logits(logits, cfg))[0] > -1e29)
+  # Kept while the mass before a token is below top_p: 0.5 -> {0}, 0.7 -> {0, 1}.
+  assert kept(SamplingConfig(top_p=0.5)).tolist() == [0]
+  assert kept(SamplingConfig(top_p=0.7)).tolist() == [0, 1]
+  assert kept(SamplingConfig(top_p=0.81)).tolist() == [0, 1, 2]
+  # Top-p applies after the temperature: at T=2 probs ~ sqrt(p) = [.379, .294, .208, .120],
+  # so top_p=0.7 keeps three tokens.
+  assert kept(SamplingConfig(temperature=2.0, top_p=0.7)).tolist() == [0, 1, 2]
+  assert kept(SamplingConfig(top_k=2)).tolist() == [0, 1]
+  assert kept(SamplingConfig(top_k=3, top_p=0.7)).tolist() == [0, 1]
+  filtered = np.asarray(sampler.filter_logits(logits, SamplingConfig(temperature=2.0)))[0]
+  np.testing.assert_allclose(filtered, np.log(PROBS) / 2, rtol=1e-6)
+
+
+def test_top_p_sampling_frequencies():
+  n = 4000
+  logits = jnp.log(jnp.tile(jnp.asarray(PROBS, jnp.float32), (n, 1)))
+  tokens, logprobs = sampler.sample_tokens(logits, _keys(n), SamplingConfig(top_p=0.7))
+  counts = np.bincount(np.asarray(tokens), minlength=4) / n
+  assert counts[2] == counts[3] == 0
+  np.testing.assert_allclose(counts[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.03)
+  # The log-prob is under the full (unfiltered) softmax.
+  np.testing.assert_allclose(np.asarray(logprobs), np.log(PROBS)[np.asarray(tokens)], rtol=1e-5)
+
+
+def test_greedy_and_top_k_one_are_argmax():
+  logits = jax.random.normal(jax.random.key(1), (16, VOCAB)) * 3
+  argmax = np.asarray(jnp.argmax(logits, -1))
+  greedy, lp = sampler.sample_tokens(logits, _keys(16), SamplingConfig(temperature=0.0))
+  np.testing.assert_array_equal(greedy, argmax)
+  np.testing.assert_allclose(lp, np.asarray(jax.nn.log_softmax(logits))[np.arange(16), argmax],
+                             rtol=1e-6)
+  top1, lp1 = sampler.sample_tokens(logits, _keys(16, 5), SamplingConfig(temperature=0.7,
+                                                                         top_k=1))
+  np.testing.assert_array_equal(top1, argmax)
+  np.testing.assert_allclose(
+      lp1, np.asarray(jax.nn.log_softmax(logits / 0.7))[np.arange(16), argmax], rtol=1e-6)
+
+
+def test_sampling_config_rejects_bad_values():
+  for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1),
+              dict(max_reply_tokens=0)):
+    with pytest.raises(ValueError):
+      SamplingConfig(**bad)
+
+
+def _decode(model, end_ids, caps, active=None,
+            sampling=SamplingConfig(temperature=1.0, max_reply_tokens=12)):
+  graphdef, state = nnx.split(model)
+  cache, logits = _prefill(model, PROMPTS)
+  b = len(PROMPTS)
+  active = np.ones(b, bool) if active is None else np.asarray(active)
+  cache, tokens, logprobs, counts = sampler.decode(
+      graphdef, state, cache, logits, active, _keys(b), np.asarray(caps, np.int32), end_ids,
+      sampling)
+  return cache, np.asarray(tokens), np.asarray(logprobs), np.asarray(counts)
+
+
+def test_decode_stops_per_row_on_end_token_and_cap(model):
+  # Reference: the same random streams without end tokens, every row runs to the cap.
+  _, free, _, counts = _decode(model, (), [12] * 4)
+  assert counts.tolist() == [12] * 4
+  # Stop on the first token that row 0 draws for the first time at step >= 3 (and wherever
+  # another row meets it first).
+  first = next(i for i in range(3, 12) if free[0, i] not in free[0, :i])
+  end = int(free[0, first])
+  cache, tokens, _, counts = _decode(model, (end, VOCAB + 5), [12, 12, 5, 1])
+  expected = []
+  for row, cap in enumerate([12, 12, 5, 1]):
+    hits = np.flatnonzero(free[row, :cap] == end)
+    expected.append(int(hits[0]) + 1 if hits.size else cap)
+  assert expected[0] == first + 1 and expected[3] == 1
+  assert counts.tolist() == expected
+  for row, n in enumerate(expected):
+    np.testing.assert_array_equal(tokens[row, :n], free[row, :n])
+    assert (tokens[row, n:] == 0).all()
+  # The last sampled token of each row stays pending (not in the cache).
+  lens = np.asarray([len(p) for p in PROMPTS])
+  np.testing.assert_array_equal(np.asarray(cache.lengths), lens + counts - 1)
+
+
+def test_inactive_rows_do_not_move(model):
+  cache, tokens, logprobs, counts = _decode(model, (), [6] * 4, active=[True, False, True, False])
+  assert counts.tolist() == [6, 0, 6, 0]
+  assert (tokens[[1, 3]] == 0).all() and (logprobs[[1, 3]] == 0).all()
+  lens = np.asarray([len(p) for p in PROMPTS])
+  np.testing.assert_array_equal(np.asarray(cache.lengths), lens + [5, 0, 5, 0])
+
+
+def test_sample_logprobs_match_forward_pass(model):
+  _, tokens, logprobs, counts = _decode(
+      model, (), [10] * 4, sampling=SamplingConfig(temperature=1.0, max_reply_tokens=10))
+  for row, prompt in enumerate(PROMPTS):
+    seq = np.concatenate([prompt, tokens[row, :counts[row]]])
+    full = jax.nn.log_softmax(model(jnp.asarray(seq)[None], jnp.ones((1, len(seq)), bool))[0])
+    want = np.asarray(full)[np.arange(len(prompt) - 1, len(seq) - 1), seq[len(prompt):]]
+    np.testing.assert_allclose(logprobs[row, :counts[row]], want, atol=1e-4)
+
+
+def test_extend_in_pieces_equals_one_chunk(model):
+  graphdef, state = nnx.split(model)
+  cache_a, logits_a = _prefill(model, PROMPTS)
+  # Same prompts, first 3 tokens then the rest; row 2 (one token) is done after piece one.
+  cache_b = KVCache.init(CFG, 4, 64)
+  logits_b = jnp.zeros((4, VOCAB))
+  for lo, hi in ((0, 3), (3, 16)):
+    pieces = [p[lo:hi] for p in PROMPTS]
+    tokens = np.zeros((4, 16), np.int32)
+    for i, p in enumerate(pieces):
+      tokens[i, :len(p)] = p
+    cache_b, logits_b = sampler.extend(graphdef, state, cache_b, logits_b, tokens,
+                                       np.asarray([len(p) for p in pieces], np.int32))
+  np.testing.assert_array_equal(cache_a.lengths, cache_b.lengths)
+  np.testing.assert_allclose(logits_a, logits_b, atol=1e-5)
+
+
+def test_chunk_bucket():
+  assert [sampler.chunk_bucket(n) for n in (1, 16, 17, 100, 512)] == [16, 16, 32, 128, 512]
