@@ -142,6 +142,19 @@ def shard_batch(tree: Any, mesh: Mesh, batch_axis: int = 0) -> Any:
   return jax.tree.map(put, tree)
 
 
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+  """Pins activation x's sharding to its logical `names` under the current mesh.
+
+  A no-op unless a mesh is set (`with jax.set_mesh(mesh):` around the jitted call), so models
+  stay usable without any mesh. Pinning the batch axis at block boundaries keeps GSPMD on the
+  data/FSDP plan instead of letting it shard activations along the hidden axis.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh))
+
+
 def cache_sharding(mesh: Mesh, shape: Sequence[int]) -> NamedSharding:
   """NamedSharding for a KV-cache buffer [layers, B, kv_heads, S, head_dim]."""
   return NamedSharding(mesh, logical_to_spec(

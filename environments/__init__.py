@@ -20,6 +20,7 @@ REGISTRY = {
     "sciworld": "environments.sciworld.env:SciWorldEnv",
     "searchqa": "environments.searchqa.env:SearchQAEnv",
     "scripted": "environments.scripted.env:ScriptedEnv",
+    "keypad": "environments.keypad.env:KeypadEnv",
     # Any of the above (or WebArena) behind an AgentGym env server; kwargs url=, env_name=.
     "remote": "environments.client:RemoteEnv",
 }

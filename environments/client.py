@@ -29,7 +29,7 @@ from urllib3.util import retry as retry_lib
 
 import environments
 from environments import protocol as protocol_lib
-from environments.base import TextEnv
+from environments.base import MULTIPLE_ACTIONS, MULTIPLE_ACTIONS_OBSERVATION, TextEnv
 
 _WEBARENA_INSTRUCTION = (
     "You are an autonomous agent operating a web browser to complete a web-based task. Each "
@@ -103,6 +103,9 @@ class RemoteEnv(TextEnv):
     self._session.mount("http://", adapters.HTTPAdapter(max_retries=policy))
     self._session.mount("https://", adapters.HTTPAdapter(max_retries=policy))
     self.instance_id: int | None = None
+    self._last_raw, self._last_success = 0.0, False
+    # An agentgym-jax server with extensions gives exact local behaviour (see the server).
+    self.extensions = self._probe_extensions()
     self._create()
 
   # ----- HTTP ----------------------------------------------------------------------------------
@@ -131,9 +134,20 @@ class RemoteEnv(TextEnv):
       raise RemoteEnvError(f"{where} answered an error: {payload['error']}", 200)
     return payload
 
+  def _probe_extensions(self) -> bool:
+    try:
+      health = self._request("GET", "/health")
+    except RemoteEnvError as exc:
+      if exc.status is None:  # unreachable: say so now rather than after /create's retries
+        raise
+      return False  # upstream servers have no /health
+    return isinstance(health, dict) and health.get("extensions") is True
+
   def _create(self) -> None:
-    self.instance_id = self.protocol.read_create(
-        self._request("POST", "/create", self.protocol.create_body()))
+    body = self.protocol.create_body()
+    if self.extensions:
+      body = dict(body or {}, reward_mode=self.reward_mode)
+    self.instance_id = self.protocol.read_create(self._request("POST", "/create", body))
 
   # ----- TextEnv -------------------------------------------------------------------------------
 
@@ -150,12 +164,18 @@ class RemoteEnv(TextEnv):
       self._create()
       response = self._request("POST", "/reset",
                                self.protocol.reset_body(self.instance_id, task_id))
+    self._last_raw, self._last_success = 0.0, False
     return self.protocol.read_reset(response), {}
 
   def _step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    # AgentGym's clients answer these responses themselves, without a server round trip; our
+    # server's environments answer them the same way.
+    if not self.extensions and action == MULTIPLE_ACTIONS:
+      return (MULTIPLE_ACTIONS_OBSERVATION, 0.0, False, False,
+              {"success": self._last_success, "score": self._last_raw})
     if self.env_name == "webarena" and not re.search(r"```(.*?)```", action, re.DOTALL):
-      # AgentGym's WebArena client answers this itself, without a server round trip.
-      return _WEBARENA_NO_ACTION, 0.0, False, False, {"success": False, "score": 0.0}
+      return (_WEBARENA_NO_ACTION, 0.0, False, False,
+              {"success": self._last_success, "score": self._last_raw})
     response = self._request("POST", "/step", self.protocol.step_body(self.instance_id, action))
     reply = self.protocol.read_step(response)
     extension = response.get("textenv") if isinstance(response, dict) else None
@@ -165,11 +185,12 @@ class RemoteEnv(TextEnv):
       info = dict(extension["info"])
     else:
       reward = self.protocol.normalize(reply.raw_reward)
+      if self.reward_mode == "paper":
+        reward = reply.raw_reward
       terminated, truncated = reply.terminated, reply.truncated
       info = {"success": self.protocol.is_success(reply.raw_reward, terminated)}
     info["score"] = reply.raw_reward
-    if self.reward_mode == "paper":
-      reward = reply.raw_reward
+    self._last_raw, self._last_success = reply.raw_reward, bool(info["success"])
     return reply.observation, reward, terminated, truncated, info
 
   def observe(self) -> Any:

@@ -14,10 +14,11 @@ do>"}`. AgentGym's clients assert status 200 and end the episode on anything els
 they do on upstream's error bodies, so their happy path is unchanged.
 
 Extensions, not in upstream: `GET /health` (instance count, resident memory), `GET
-/expert_action?<id>=N` (the environment's expert move, for tests and demonstrations), and a
-`textenv` field in /step answers carrying the environment's normalised reward, truncation flag
-and info, which `environments.client.RemoteEnv` uses for exact parity with a local env.
-`--strict` drops the `textenv` field so the answers are byte-for-byte upstream's shape.
+/expert_action?<id>=N` (the environment's expert move, for tests and demonstrations), an
+optional `reward_mode` in the /create body, and a `textenv` field in /step answers carrying
+the environment's own reward, truncation flag and info; `environments.client.RemoteEnv` uses
+them for exact parity with a local env.
+`--strict` drops the `textenv` field and the expert, so the server answers as upstream does.
 
 Thread safety: id allocation and the instance table are guarded by one lock; each instance has
 its own lock, so calls on different instances run concurrently in the thread pool.
@@ -31,17 +32,23 @@ import importlib
 import json
 import math
 import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
-from typing import Any
+import time
+from typing import Any, Iterator
 
 import anyio
 import fastapi
+import requests
 import uvicorn
 from fastapi import responses
 
 import environments
 from environments import protocol as protocol_lib
-from environments.base import TextEnv
+from environments.base import REWARD_MODES, TextEnv
 
 
 class RequestError(Exception):
@@ -56,8 +63,9 @@ class RequestError(Exception):
 class _Instance:
   """One environment instance and what its clients have seen of it."""
 
-  def __init__(self, env: TextEnv | None):
-    self.env = env
+  def __init__(self, env: TextEnv, reward_mode: str):
+    self.env: TextEnv | None = env
+    self.reward_mode = reward_mode  # a rebuilt env gets the same
     self.lock = threading.Lock()
     self.observation = ""       # text answered by GET /observation
     self.last_step: dict[str, Any] = {}
@@ -123,7 +131,7 @@ class EnvService:
 
   def _reset_locked(self, instance_id: int, instance: _Instance, task_id: int) -> Any:
     if instance.env is None:
-      instance.env = self.env_factory()
+      instance.env = self.env_factory(reward_mode=instance.reward_mode)
     instance.running = False
     try:
       observation, info = instance.env.reset(options={"task_id": task_id})
@@ -143,13 +151,14 @@ class EnvService:
 
   # ----- endpoints ---------------------------------------------------------------------------
 
-  def create(self, task_id: int | None = None, reset_to_own_id: bool = False) -> Any:
+  def create(self, task_id: int | None = None, reset_to_own_id: bool = False,
+             reward_mode: str = "normalized") -> Any:
     """A new instance, reset to `task_id` (or to its own id) where upstream's server does so."""
-    env = self.env_factory()
+    env = self.env_factory(reward_mode=reward_mode)
     with self._lock:
       instance_id = self._next_id
       self._next_id += 1
-      instance = self._instances[instance_id] = _Instance(env)
+      instance = self._instances[instance_id] = _Instance(env, reward_mode)
     if reset_to_own_id:
       task_id = instance_id
     observation = None
@@ -220,7 +229,7 @@ class EnvService:
     with self._lock:
       count = len(self._instances)
     return {"status": "ok", "env": self.protocol.name, "instances": count,
-            "rss_bytes": _resident_bytes()}
+            "rss_bytes": _resident_bytes(), "extensions": not self.strict}
 
   def close_all(self) -> None:
     with self._lock:
@@ -319,15 +328,22 @@ def build_app(service: EnvService) -> fastapi.FastAPI:
     if body.get("commands") is not None or body.get("goal") is not None:
       raise RequestError(400, "Custom TextCraft commands/goal are not supported; create "
                               "without them and reset to a task id.")
+    reward_mode = "normalized"
+    if not service.strict and "reward_mode" in body:
+      # Our client's extension: the instance computes rewards as the client's local env would.
+      reward_mode = _str_field(body, "reward_mode", "/create")
+      if reward_mode not in REWARD_MODES:
+        raise RequestError(400, f"/create: reward_mode must be one of {REWARD_MODES}, got "
+                                f"{reward_mode!r}.")
+    task_id, own_id = None, False
     if proto.name == "textcraft":
       # Upstream TextCraft resets a new instance to data_idx = its own id, and its client
       # reads the observation from the /create answer.
-      return await call(service.create, None, True)
-    task_id = None
-    if proto.name == "searchqa" and "id" in body:
+      own_id = True
+    elif proto.name == "searchqa" and "id" in body:
       # Upstream SearchQA preloads the item named in the /create body.
       task_id = _int_field(body, "id", "/create")
-    return await call(service.create, task_id)
+    return await call(service.create, task_id, own_id, reward_mode)
 
   @app.post("/reset")
   async def reset(request: fastapi.Request):
@@ -347,9 +363,10 @@ def build_app(service: EnvService) -> fastapi.FastAPI:
   async def observation(request: fastapi.Request):
     return await call(service.observation, _query_id(request, key))
 
-  @app.get("/expert_action")
-  async def expert_action(request: fastapi.Request):
-    return await call(service.expert_action, _query_id(request, key))
+  if not service.strict:
+    @app.get("/expert_action")
+    async def expert_action(request: fastapi.Request):
+      return await call(service.expert_action, _query_id(request, key))
 
   @app.post("/close")
   async def close(request: fastapi.Request):
@@ -360,12 +377,60 @@ def build_app(service: EnvService) -> fastapi.FastAPI:
 
 
 def env_factory(env: str):
-  """A zero-argument constructor for `env`: a REGISTRY name or "package.module:Class"."""
+  """A constructor (keyword `reward_mode`) for `env`: a REGISTRY name or "package.module:Class"."""
   if ":" in env:
     module_name, class_name = env.split(":", 1)
     return getattr(importlib.import_module(module_name), class_name)
-  environments.env_class(env)  # fails early, with the known names, on a typo
-  return lambda: environments.make(env)
+  return environments.env_class(env)
+
+
+def _free_port(host: str) -> int:
+  with socket.socket() as sock:
+    sock.bind((host, 0))
+    return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(env: str, protocol: str | None = None, strict: bool = False,
+                   host: str = "127.0.0.1", startup_timeout_s: float = 60.0,
+                   extra_env: dict[str, str] | None = None) -> Iterator[str]:
+  """Runs this server for `env` in a subprocess on a free port of `host`; yields its URL.
+
+  The server is always stopped on exit (SIGTERM, which closes every instance; SIGKILL to its
+  process group if it does not stop within 15 s).
+  """
+  command = [sys.executable, "-m", "environments.server", "--env", env, "--host", host]
+  if protocol:
+    command += ["--protocol", protocol]
+  if strict:
+    command.append("--strict")
+  child_env = dict(os.environ, **(extra_env or {}))
+  for _ in range(3):  # another process may take the free port before the server binds it
+    port = _free_port(host)
+    process = subprocess.Popen(command + ["--port", str(port)], env=child_env, process_group=0)
+    url = f"http://{host}:{port}"
+    try:
+      deadline = time.monotonic() + startup_timeout_s
+      while process.poll() is None and time.monotonic() < deadline:
+        try:
+          if requests.get(url + "/health", timeout=1.0).status_code == 200:
+            break
+        except requests.RequestException:
+          time.sleep(0.1)
+      else:
+        if process.poll() is None:
+          raise TimeoutError(f"The {env} server did not start within {startup_timeout_s} s.")
+        continue
+      yield url
+      return
+    finally:
+      process.terminate()
+      try:
+        process.wait(15)
+      except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+  raise RuntimeError(f"The {env} server exited at startup three times: {command}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -379,7 +444,7 @@ def main(argv: list[str] | None = None) -> None:
                       help=f"field names to speak, one of {sorted(protocol_lib.PROTOCOLS)} "
                            "(default: the environment's own)")
   parser.add_argument("--strict", action="store_true",
-                      help="answer exactly upstream's fields (no 'textenv' extension)")
+                      help="answer as upstream does: no 'textenv' field, no /expert_action")
   args = parser.parse_args(argv)
   proto = protocol_lib.protocol(args.protocol or args.env)
   service = EnvService(env_factory(args.env), proto, strict=args.strict)

@@ -7,6 +7,7 @@ segments (mask 0), right padding (mask 0); the outcome reward sits on the last a
 from collections import defaultdict
 
 import jax
+import jax.export
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -274,7 +275,7 @@ def test_gae_implementations_match_loop(impl):
         next_value, next_adv = values[b, t], adv
       raw[b, t] = next_adv
   with jax.enable_x64(True):
-    got = getattr(advantages, impl)(rewards, values, mask, 0.97, 0.9)
+    got = jax.jit(getattr(advantages, impl))(rewards, values, mask, 0.97, 0.9)
   np.testing.assert_allclose(got, raw, atol=1e-9)
 
 
@@ -287,7 +288,18 @@ def test_recurrence_implementations_match_loop(impl):
     x = a[:, t] * x + b[:, t]
     want[:, t] = x
   with jax.enable_x64(True):
-    np.testing.assert_allclose(getattr(advantages, impl)(a, b), want, atol=1e-9)
+    np.testing.assert_allclose(jax.jit(getattr(advantages, impl))(a, b), want, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus"])
+def test_platform_dispatch(name):
+  # Lowered for CPU the recursion is one sequential loop; lowered for TPU or GPU (no device
+  # needed: jax.export) it is the log-depth associative scan, with no loop over L.
+  r = jnp.zeros((4, 16))
+  fn = jax.jit(lambda r, m: ESTIMATORS[name](r, m, values=r, gamma=0.9, lam=0.8))
+  loops = {platform: jax.export.export(fn, platforms=[platform])(r, r).mlir_module().count(
+      "stablehlo.while") for platform in ("cpu", "tpu", "cuda")}
+  assert loops == {"cpu": 1, "tpu": 0, "cuda": 0}
 
 
 # ------------------------------------------------------------------------------ jit hygiene
@@ -357,3 +369,15 @@ def test_all_masked_rows_give_zeros(name):
   adv, ret = ESTIMATORS[name](rewards, np.zeros_like(mask), values=values, group_ids=group_ids)
   np.testing.assert_array_equal(adv, 0)
   np.testing.assert_array_equal(ret, 0)
+
+
+@pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus"])
+def test_non_finite_junk_off_agent_tokens_does_not_leak(name):
+  rewards, mask, values, group_ids = random_batch(6)
+  values = np.where(mask > 0, values, np.inf)   # critic junk on obs/padding
+  want = ESTIMATORS[name](rewards, mask, values=np.where(mask > 0, values, 0.0))
+  rewards = np.where(mask > 0, rewards, np.nan)  # stray NaN rewards off agent tokens
+  got = ESTIMATORS[name](rewards, mask, values=values, group_ids=group_ids)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(g, w)
+

@@ -174,8 +174,8 @@ def test_evaluate_policy_golden_over_fake_pool(tiny_policy, tmp_path):
   result = evaluate.evaluate_policy(
       graphdef, state, tok, pool, [0, 1, 2, 3], env_name="textcraft", num_samples=2,
       max_turns=3, sampling=SamplingConfig(temperature=0.0, max_reply_tokens=4),
-      max_context=256, chunk_tasks=3, ks=(1, 2, 4), episodes_path=str(tmp_path / "ep.jsonl"))
-  assert pool.resets == 2  # chunks of 3 + 1 tasks
+      max_context=256, chunk_tasks=2, ks=(1, 2, 4), episodes_path=str(tmp_path / "ep.jsonl"))
+  assert pool.resets == 2  # two chunks of 2 tasks (one compiled shape)
   s = result.summary
   assert list(s) == ["Depth 1", "Depth 2", "Depth 3", "Overall"]
   assert s["Depth 1"]["pass"] == 1.0 and s["Depth 1"]["avg"] == pytest.approx(0.75)
@@ -203,7 +203,8 @@ def test_evaluate_policy_golden_over_fake_pool(tiny_policy, tmp_path):
 def test_paper_column_rules():
   from agentgym_jax.evaluate import paper_column
   assert paper_column("sciworld", "test-conductivity-of-unknown-substances") == "Test-Cond"
-  assert paper_column("sciworld", "boil") == "boil"
+  assert paper_column("sciworld", "boil") == "Measure"
+  assert paper_column("sciworld", "grow-plant") == "grow-plant"  # no rule: its own column
   assert paper_column("babyai", "BabyAI-GoToRedBallGrey-v0") == "GoTo"
   assert paper_column("babyai", "BabyAI-SynthLoc-v0") == "SynthLoc"
   assert paper_column("babyai", "BabyAI-FindObjS7-v0") == "FindObjS7"

@@ -197,6 +197,7 @@ def test_micro_batches_sum_to_full_batch(mode, dtype):
   x, y = (rng.normal(size=(batch, length)).astype(dtype) for _ in range(2))
   theta = rng.normal(size=(length,)).astype(dtype)
 
+  @jax.jit
   def loss_fn(theta, x, y, mask, den):
     return losses.aggregate(jnp.square(theta * x - y) + jnp.sin(theta) * x, mask, mode, den)
 
@@ -204,8 +205,9 @@ def test_micro_batches_sum_to_full_batch(mode, dtype):
   tol = {"atol": 1e-6} if dtype == np.float64 else {"rtol": 1e-6, "atol": 1e-6}
   with jax.enable_x64(dtype == np.float64):
     den = losses.aggregation_denominator(mask, mode)
-    full, full_grad = jax.value_and_grad(loss_fn)(theta, x, y, mask, den)
-    parts = [jax.value_and_grad(loss_fn)(theta, x[k:k + 4], y[k:k + 4], mask[k:k + 4], den)
+    value_and_grad = jax.jit(jax.value_and_grad(loss_fn))
+    full, full_grad = value_and_grad(theta, x, y, mask, den)
+    parts = [value_and_grad(theta, x[k:k + 4], y[k:k + 4], mask[k:k + 4], den)
              for k in range(0, batch, 4)]
     np.testing.assert_allclose(sum(p[0] for p in parts), full, **tol)
     np.testing.assert_allclose(sum(p[1] for p in parts), full_grad, **tol)
@@ -278,5 +280,5 @@ def test_all_masked_gives_zeros():
     assert value == 0
   for mode in LOSS_AGG_MODES:
     assert losses.aggregate(pg, mask, mode) == 0
-    grad = jax.grad(lambda z, mode=mode: losses.aggregate(z, mask, mode))(jnp.asarray(a))
+    grad = jax.jit(jax.grad(lambda z, mode=mode: losses.aggregate(z, mask, mode)))(a)
     np.testing.assert_array_equal(grad, 0)

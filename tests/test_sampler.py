@@ -132,12 +132,16 @@ def test_inactive_rows_do_not_move(model):
 
 
 def test_sample_logprobs_match_forward_pass(model):
-  _, tokens, logprobs, counts = _decode(
-      model, (), [10] * 4, sampling=SamplingConfig(temperature=1.0, max_reply_tokens=10))
+  _, tokens, logprobs, counts = _decode(model, (), [10] * 4)
+  seqs = [np.concatenate([p, tokens[row, :counts[row]]]) for row, p in enumerate(PROMPTS)]
+  padded = np.zeros((4, 32), np.int32)
+  valid = np.zeros((4, 32), bool)
+  for row, seq in enumerate(seqs):
+    padded[row, :len(seq)], valid[row, :len(seq)] = seq, True
+  full = np.asarray(jax.nn.log_softmax(nnx.jit(lambda m, t, v: m(t, v))(model, padded, valid)))
   for row, prompt in enumerate(PROMPTS):
-    seq = np.concatenate([prompt, tokens[row, :counts[row]]])
-    full = jax.nn.log_softmax(model(jnp.asarray(seq)[None], jnp.ones((1, len(seq)), bool))[0])
-    want = np.asarray(full)[np.arange(len(prompt) - 1, len(seq) - 1), seq[len(prompt):]]
+    seq = seqs[row]
+    want = full[row, np.arange(len(prompt) - 1, len(seq) - 1), seq[len(prompt):]]
     np.testing.assert_allclose(logprobs[row, :counts[row]], want, atol=1e-4)
 
 

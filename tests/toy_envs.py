@@ -64,3 +64,13 @@ class CounterEnv(TextEnv):
 
   def expert_action(self) -> str:
     return "inc"
+
+
+class BacktickCounterEnv(CounterEnv):
+  """`CounterEnv` that, like WebArena's server, finds the action between triple backticks."""
+
+  name = "backtick_counter"
+
+  def _step(self, action: str):
+    match = re.search(r"```(.*?)```", action, re.DOTALL)
+    return super()._step(match.group(1).strip() if match else "")

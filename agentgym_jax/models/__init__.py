@@ -9,7 +9,9 @@
 from agentgym_jax.models.cache import KVCache
 from agentgym_jax.models.config import ModelConfig
 from agentgym_jax.models.decoder import Decoder
+from agentgym_jax.models.gguf_io import load_gguf
 from agentgym_jax.models.hf_io import load_hf, save_hf
 from agentgym_jax.models.value import ValueModel
 
-__all__ = ["Decoder", "KVCache", "ModelConfig", "ValueModel", "load_hf", "save_hf"]
+__all__ = ["Decoder", "KVCache", "ModelConfig", "ValueModel", "load_gguf", "load_hf",
+           "save_hf"]

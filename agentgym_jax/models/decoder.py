@@ -22,10 +22,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from agentgym_jax import sharding
 from agentgym_jax.models.cache import KVCache
 from agentgym_jax.models.config import ModelConfig
 
 _NEG_INF = -1e30  # finite, so a row with no visible key gives a uniform softmax, not NaN
+_ACTIVATION = ("batch", None, None)  # [B, T, D] between blocks: split over data-parallel axes
 
 
 def _param(value: jax.Array, names: tuple[str | None, ...]) -> nnx.Param:
@@ -178,12 +180,13 @@ class Backbone(nnx.Module):
     cos, sin = rope_tables(self.cfg, positions)
     causal = jnp.tril(jnp.ones((t, t), bool))
     mask = causal[None] & valid[:, None, :].astype(bool)
-    x = self._embed(tokens)
+    x = sharding.constrain(self._embed(tokens), _ACTIVATION)
     for block in self.layers:
       if self.cfg.remat:
         x = nnx.remat(lambda blk, h: blk(h, cos, sin, mask))(block, x)
       else:
         x = block(x, cos, sin, mask)
+      x = sharding.constrain(x, _ACTIVATION)
     return self.final_norm(x)
 
   def extend(self, tokens: jax.Array, num_new: jax.Array, cache: KVCache
@@ -197,14 +200,14 @@ class Backbone(nnx.Module):
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(self.cfg, positions)
     mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]
-    x = self._embed(tokens)
+    x = sharding.constrain(self._embed(tokens), _ACTIVATION)
     k_all, v_all = cache.k, cache.v
     for i, block in enumerate(self.layers):
       q, k, v = block.project_qkv(x, cos, sin)
       k_all = _write_rows(k_all, i, k, starts)
       v_all = _write_rows(v_all, i, v, starts)
       out = attention(q, k_all[i].astype(q.dtype), v_all[i].astype(q.dtype), mask)
-      x = block.finish(x, out)
+      x = sharding.constrain(block.finish(x, out), _ACTIVATION)
     lengths = starts + num_new.astype(jnp.int32)
     return self.final_norm(x), KVCache(k=k_all, v=v_all, lengths=lengths)
 

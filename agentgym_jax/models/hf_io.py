@@ -187,7 +187,7 @@ def build_from_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray],
     if value.shape != var.shape:
       raise ValueError(f"{names} give shape {value.shape} for {path}, expected {var.shape}: "
                        "config.json does not match the weights.")
-    placement = flat_shardings[path][...] if path in flat_shardings else None
+    placement = flat_shardings[path].get_value() if path in flat_shardings else None
     leaves.append((path, var.replace(jax.device_put(value, placement))))
   return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 

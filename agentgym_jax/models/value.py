@@ -17,9 +17,10 @@ class ValueModel(nnx.Module):
   from the head alone instead of from a random projection of the features.
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, backbone: Backbone | None = None):
+    """A fresh backbone from `rngs`, or the given `backbone` (used as is, not copied)."""
     self.cfg = cfg
-    self.backbone = Backbone(cfg, rngs=rngs)
+    self.backbone = Backbone(cfg, rngs=rngs) if backbone is None else backbone
     self.head = _param(jnp.zeros((cfg.hidden_size,), cfg.dtype), ("embed",))
     self.head_bias = _param(jnp.zeros((), jnp.float32), ())
 
@@ -37,7 +38,6 @@ class ValueModel(nnx.Module):
     The weights are copied, not shared, so donating one model's buffers in a jitted update
     never invalidates the other's.
     """
-    model = cls(policy.cfg, rngs=rngs)
-    state = jax.tree.map(lambda x: x.copy(), nnx.state(policy.backbone))
-    nnx.update(model.backbone, state)
-    return model
+    graphdef, state = nnx.split(policy.backbone)
+    backbone = nnx.merge(graphdef, jax.tree.map(lambda x: jnp.array(x, copy=True), state))
+    return cls(policy.cfg, rngs=rngs, backbone=backbone)

@@ -19,7 +19,7 @@ Every estimator has the same signature, so the trainer calls `ESTIMATORS[name](.
   mask       [B, L] bool|float  1 on agent tokens.
   values     [B, L] float       critic values V_t (used by `gae`, ignored by the others).
   group_ids  [B] int            rows with equal ids are samples of one task (used by the group
-                                estimators `grpo`, `drgrpo`, `rloo`, `reinforce_plus_plus_baseline`).
+                                estimators grpo, drgrpo, rloo, reinforce_plus_plus_baseline).
   gamma, lam                    discount and GAE lambda (`gae`; `gamma` also for
                                 `reinforce_plus_plus`).
   eps                           added to the group std (`grpo`).
@@ -88,7 +88,7 @@ def _prepare(name: str, rewards, mask, values, group_ids, *, need_values: bool =
 
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   """Mean of x [B, L] over positions where mask [B, L] is 1 -> scalar (0 if mask is all 0)."""
-  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+  return jnp.sum(jnp.where(mask > 0, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
 def masked_whiten(x: jax.Array, mask: jax.Array) -> jax.Array:
@@ -99,8 +99,9 @@ def masked_whiten(x: jax.Array, mask: jax.Array) -> jax.Array:
   """
   n = jnp.sum(mask)
   mean = masked_mean(x, mask)
-  var = jnp.sum(jnp.square(x - mean) * mask) / jnp.maximum(n - 1.0, 1.0)
-  return (x - mean) * lax.rsqrt(var + WHITEN_EPS) * mask
+  centered = jnp.where(mask > 0, x - mean, 0.0)
+  var = jnp.sum(jnp.square(centered)) / jnp.maximum(n - 1.0, 1.0)
+  return centered * lax.rsqrt(var + WHITEN_EPS)
 
 
 def _group_stats(scores: jax.Array, group_ids: jax.Array):
@@ -108,7 +109,8 @@ def _group_stats(scores: jax.Array, group_ids: jax.Array):
 
   A [B, B] same-group indicator replaces verl's Python dict of lists: ids can be any integers,
   no static group count is needed, and the products are elementwise (exact in float32 on every
-  backend, unlike a matmul at default TPU precision). Singleton groups get mean 0 and std 1, as
+  backend, unlike a matmul at default TPU precision); B² elements are cheap for B in the
+  thousands. Singleton groups get mean 0 and std 1, as
   verl: a lone sample has no baseline, so its advantage is its own score.
   """
   same = (group_ids[:, None] == group_ids[None, :]).astype(scores.dtype)
@@ -193,7 +195,7 @@ def gae(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=1
   Reverse recursion over t with carries V' (value of the next agent token) and A' (advantage of
   the next agent token), both 0 after the last one (the episode end is terminal):
 
-    agent token (m_t = 1):   δ_t = r_t + γ V' - V_t,   A_t = δ_t + γ λ A',   V' <- V_t, A' <- A_t
+    agent token (m_t = 1):  δ_t = r_t + γ V' - V_t,  A_t = δ_t + γ λ A',  V' <- V_t, A' <- A_t
     other token (m_t = 0):   V', A' carried through unchanged
 
   so an observation segment is skipped, not a reset: the last token of turn k bootstraps from the
@@ -207,6 +209,10 @@ def gae(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=1
   Returns: (advantages [B, L], returns [B, L]), 0 where mask is 0.
   """
   rewards, mask, values, _ = _prepare("gae", rewards, mask, values, None, need_values=True)
+  # Rewards and critic outputs off agent tokens are never used; zero them so that even a
+  # non-finite one cannot leak into the carries (0 · inf would).
+  rewards = jnp.where(mask > 0, rewards, 0.0)
+  values = jnp.where(mask > 0, values, 0.0)
   gamma = jnp.asarray(gamma, rewards.dtype)
   lam = jnp.asarray(lam, rewards.dtype)
   adv = lax.platform_dependent(rewards, values, mask, gamma, lam, cpu=_gae_scan,
@@ -259,7 +265,8 @@ def drgrpo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, ep
 def rloo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=1e-6):
   """REINFORCE leave-one-out (RLOO, Ahmadian et al. 2024, arXiv 2402.14740).
 
-    s_b = Σ_t r_bt,   A_b = s_b - (Σ_{j in g, j != b} s_j) / (n_g - 1) = n_g / (n_g - 1)·(s_b - mean_g)
+    s_b = Σ_t r_bt,   A_b = s_b - (Σ_{j in g, j != b} s_j) / (n_g - 1)
+                          = n_g / (n_g - 1) · (s_b - mean_g)
 
   Singleton groups have no other sample: A_b = s_b (verl).
 
@@ -291,7 +298,8 @@ def reinforce_plus_plus(rewards, mask, *, values=None, group_ids=None, gamma=1.0
   Returns: (advantages [B, L], returns [B, L]), 0 where mask is 0.
   """
   rewards, mask, _, _ = _prepare("reinforce_plus_plus", rewards, mask, None, None)
-  returns = _reverse_recurrence(mask * gamma + (1.0 - mask), mask * rewards) * mask
+  agent_rewards = jnp.where(mask > 0, rewards, 0.0)
+  returns = _reverse_recurrence(mask * gamma + (1.0 - mask), agent_rewards) * mask
   return masked_whiten(returns, mask), returns
 
 

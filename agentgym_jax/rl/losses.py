@@ -89,9 +89,10 @@ def ppo_clip(log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.Array
     raise ValueError(f"ppo_clip: clip_ratio_c must be > 1 (or None to disable the dual clip), "
                      f"got {clip_ratio_c}")
   mask = jnp.asarray(mask).astype(bool)
-  advantages = _float(advantages)
-  log_ratio = jnp.clip(_float(log_prob) - old_log_prob, -_LOG_RATIO_CLAMP,
-                       _LOG_RATIO_CLAMP)
+  # Gradients flow through log_prob only: advantages and the behaviour policy are data.
+  advantages = jax.lax.stop_gradient(_float(advantages))
+  old_log_prob = jax.lax.stop_gradient(old_log_prob)
+  log_ratio = jnp.clip(_float(log_prob) - old_log_prob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
   ratio = jnp.exp(log_ratio)
   loss1 = -advantages * ratio
   loss2 = -advantages * jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
@@ -129,6 +130,7 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mas
                     mask=mask)
   mask = jnp.asarray(mask).astype(bool)
   values = _float(values)
+  old_values, returns = jax.lax.stop_gradient((old_values, returns))
   clipped = jnp.clip(values, old_values - cliprange_value, old_values + cliprange_value)
   loss1 = jnp.square(values - returns)
   loss2 = jnp.square(clipped - returns)
@@ -170,7 +172,7 @@ def kl_k2(log_prob: jax.Array, ref_log_prob: jax.Array) -> jax.Array:
 
 @KL_ESTIMATORS.register("low_var_kl", "k3")
 def kl_low_var(log_prob: jax.Array, ref_log_prob: jax.Array) -> jax.Array:
-  """k3 = e^d - d - 1 with d = logπ_ref - logπ clamped to ±20, result clamped to [-10, 10] (verl).
+  """k3 = e^d - d - 1, d = logπ_ref - logπ clamped to ±20, result clamped to [-10, 10] (verl).
 
   Non-negative and unbiased for KL(π||π_ref); the clamps bound it where the policies disagree
   wildly (the lower clamp never binds since k3 >= 0; kept to mirror verl).
@@ -187,7 +189,7 @@ def kl_penalty(log_prob: jax.Array, ref_log_prob: jax.Array, mask: jax.Array,
   aggregate) or in the reward (`kl_in_reward`). `kind` names an entry of `KL_ESTIMATORS`.
   """
   _check_same_shape("kl_penalty", log_prob=log_prob, ref_log_prob=ref_log_prob, mask=mask)
-  kl = KL_ESTIMATORS[kind](log_prob, ref_log_prob)
+  kl = KL_ESTIMATORS[kind](log_prob, jax.lax.stop_gradient(ref_log_prob))
   return jnp.where(jnp.asarray(mask).astype(bool), kl, 0.0)
 
 

@@ -31,7 +31,7 @@ from minigrid.utils.baby_ai_bot import BabyAIBot
 
 from environments.babyai import text
 
-LOOKAHEAD = 48  # primitives; longer than any macro path within the 8x7 path window
+LOOKAHEAD = 32  # primitives; longer than any macro path within the 8x7 path window
 _MOVES = (text.LEFT, text.RIGHT, text.FORWARD)
 _DONE = 6  # minigrid's "done" action: the bot thinks the mission is complete
 
@@ -51,12 +51,43 @@ def _progress(instr) -> tuple:
   return ()
 
 
-def _state(env) -> _State:
+def _contents(env) -> tuple:
+  """Everything but the agent's pose that a macro or the bot can change."""
+  cells = tuple((i, o.type, o.color, getattr(o, "is_open", None), getattr(o, "is_locked", None))
+                for i, o in enumerate(env.grid.grid) if o is not None and o.type != "wall")
   carrying = env.carrying
-  return _State(
-      tuple(int(c) for c in env.agent_pos), int(env.agent_dir),
-      (env.grid.encode().tobytes(), None if carrying is None else (carrying.type, carrying.color),
-       _progress(env.instrs)))
+  return (cells, None if carrying is None else (carrying.type, carrying.color),
+          _progress(env.instrs))
+
+
+def _state(env) -> _State:
+  return _State(tuple(int(c) for c in env.agent_pos), int(env.agent_dir), _contents(env))
+
+
+def _clone(obj, env):
+  """A deep copy of `obj` (a level or a bot holding one) that shares `env`'s walls and spaces,
+  which nothing changes; copying them is most of a deep copy's cost."""
+  memo = {id(o): o for o in env.grid.grid if o is not None and o.type == "wall"}
+  for shared in (env.observation_space, env.action_space):
+    memo[id(shared)] = shared
+  return copy.deepcopy(obj, memo)
+
+
+def _front(pos: tuple[int, int], direction: int) -> tuple[int, int]:
+  dx, dy = text.DIRS[direction]
+  return pos[0] + dx, pos[1] + dy
+
+
+def _dead_reckon(pos: tuple[int, int], direction: int, macro: list[int]):
+  """Where a macro would leave the agent if no primitive failed."""
+  for primitive in macro:
+    if primitive == text.LEFT:
+      direction = (direction - 1) % 4
+    elif primitive == text.RIGHT:
+      direction = (direction + 1) % 4
+    elif primitive == text.FORWARD:
+      pos = _front(pos, direction)
+  return pos, direction
 
 
 def _run(env, primitives: list[int], image: np.ndarray) -> tuple[int, bool, float]:
@@ -79,7 +110,7 @@ class Expert:
 
   @staticmethod
   def _new_bot(env) -> BabyAIBot:
-    return BabyAIBot(copy.deepcopy(env))
+    return BabyAIBot(_clone(env, env))
 
   def next_action(self, env, actions: dict[str, list[int]], image: np.ndarray) -> str:
     """The action to take in `env` (the real level), among `actions` (name -> primitives)."""
@@ -90,29 +121,40 @@ class Expert:
       self._bot = self._new_bot(env)
     self._next_bot = None
 
-    primitives, states = self._rollout(copy.deepcopy(self._bot))
+    primitives, states = self._rollout(_clone(self._bot, env))
     if not primitives:
       return text.CHECK
-    best = None  # (rank, name, progress, end pose)
+    # Only macros aimed at a cell the bot will stand on, or at a cell it will act on (pick
+    # up, drop, toggle, or face at the end of the mission), can match; the rest are skipped
+    # without running them.
+    poses = [(now.pos, now.direction)] + [(st.pos, st.direction) for st in states]
+    positions = {pos for pos, _ in poses[1:]}
+    targets = {_front(*poses[k]) for k, p in enumerate(primitives) if p not in _MOVES}
+    targets.add(_front(*poses[-1]))
+    best = None  # (rank, name, progress, end state)
     for order, (name, macro) in enumerate(actions.items()):
       if not macro:
         continue
-      trial = copy.deepcopy(env)
+      pos, direction = _dead_reckon(now.pos, now.direction, macro)
+      if pos not in positions and _front(pos, direction) not in targets:
+        continue
+      trial = _clone(env, env)
       last, terminated, reward = _run(trial, macro, image)
+      end = _state(trial)
       if terminated and reward > 0:
         rank, progress = (1, 0, -len(macro), -order), None
       else:
-        progress = self._match(_state(trial), last, primitives, states)
+        progress = self._match(end, last, primitives, states)
         if progress == 0:
           continue
         rank = (0, progress, -len(macro), -order)
       if best is None or rank > best[0]:
-        best = (rank, name, progress, _state(trial))
+        best = (rank, name, progress, end)
     if best is None:
       return text.CHECK
     _, name, progress, end = best
     if progress is not None:
-      self._next_bot = self._advance(progress, end)
+      self._next_bot = self._advance(progress, end, env)
     return name
 
   def _rollout(self, bot: BabyAIBot) -> tuple[list[int], list[_State]]:
@@ -151,9 +193,9 @@ class Expert:
           return k + 1
     return 0
 
-  def _advance(self, progress: int, end: _State) -> BabyAIBot:
+  def _advance(self, progress: int, end: _State, env) -> BabyAIBot:
     """The bot after `progress` rollout primitives, with the agent at `end`'s pose."""
-    bot = copy.deepcopy(self._bot)
+    bot = _clone(self._bot, env)
     for _ in range(progress):
       bot.mission.step(bot.replan())
     bot.mission.agent_pos = end.pos

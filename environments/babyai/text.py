@@ -37,7 +37,7 @@ LEFT, RIGHT, FORWARD, PICKUP, DROP, TOGGLE = range(6)
 _IDX_TO_STATE = {index: state for state, index in STATE_TO_IDX.items()}
 _VISIBLE_TYPES = ("door", "key", "ball", "box", "goal", "lava", "wall")
 _BLOCKING_TYPES = ("wall", "box", "lava", "ball", "key")  # for paths and for dropping
-_DIRS = [tuple(int(c) for c in v) for v in DIR_TO_VEC]
+DIRS = [tuple(int(c) for c in v) for v in DIR_TO_VEC]
 CHECK = "check available actions"
 
 
@@ -87,7 +87,7 @@ def find_path(start: tuple[int, int], direction: int, target: tuple[int, int],
     state = queue.popleft()
     visited.add(state)
     (x, y), d = state
-    if (target == (x, y)) if arrive else (target == (x + _DIRS[d][0], y + _DIRS[d][1])):
+    if (target == (x, y)) if arrive else (target == (x + DIRS[d][0], y + DIRS[d][1])):
       path = []
       while state != (start, direction):
         state, action = parents[state]
@@ -95,7 +95,7 @@ def find_path(start: tuple[int, int], direction: int, target: tuple[int, int],
       return path[::-1]
     for action in (FORWARD, LEFT, RIGHT):
       if action == FORWARD:
-        nxt = ((x + _DIRS[d][0], y + _DIRS[d][1]), d)
+        nxt = ((x + DIRS[d][0], y + DIRS[d][1]), d)
       else:
         nxt = ((x, y), (d + (1 if action == RIGHT else -1)) % 4)
       pos = nxt[0]
@@ -124,7 +124,7 @@ def render(env, image: np.ndarray) -> View:
   view = env.agent_view_size
   pos = np.array(env.agent_pos)
   d = int(env.agent_dir)
-  f, r = np.array(_DIRS[d]), np.array(_DIRS[(d + 1) % 4])
+  f, r = np.array(DIRS[d]), np.array(DIRS[(d + 1) % 4])
   top_left = pos + f * (view - 1) - r * (view // 2)
   window = _window(top_left, f, r, view)
 

@@ -16,10 +16,10 @@ AgentGym's agentenv-sciworld server does:
     100-move limit (truncated).
 
 Actions follow AgentGym's ReAct client: everything after the last "Action:" in the response,
-stripped. Unrecognised commands cost no move and get ScienceWorld's own answer,
-"No known action matches that input."; empty or over-long actions are answered by the wrapper
-without reaching the simulator. Neither changes the score, so the reward of such a step is the
-unchanged current score (0 before any progress).
+stripped ("" when there is none). Unrecognised commands, the empty one included, cost no move
+and get ScienceWorld's own answer, "No known action matches that input." Actions longer than
+`MAX_ACTION_CHARS` are answered by the wrapper and never reach the simulator. Neither changes
+the score, so the reward of such a step is the unchanged current score (0 before any progress).
 
 One JVM is started per instance (~0.8 s) and reused across resets; call `close()` (or use the
 env as a context manager) to stop it. The expert replays ScienceWorld's gold action sequence,
@@ -65,8 +65,8 @@ INSTRUCTION = (
     "Your response should use the following format:\nThought:\nyour thoughts.\n\nAction:\n"
     "your next action")
 
-# ScienceWorld commands are a handful of words; the longest gold action in the 4,639 games is
-# under 100 characters. Longer input is refused before it reaches the JVM's parser.
+# ScienceWorld commands are a handful of words (the longest gold action on the test split has
+# 81 characters). Longer input is refused before it reaches the JVM's parser.
 MAX_ACTION_CHARS = 300
 STEP_LIMIT = 100  # AgentGym's server uses ScienceWorldEnv's default envStepLimit.
 _EXPERT_THOUGHT = "I follow the plan."
@@ -104,9 +104,6 @@ class SciWorldEnv(TextEnv):
         "task_name": task_name, "variation": variation, "category": task_name}
 
   def _step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-    if not action.strip():
-      return self._unchanged("No action found. Write your action after 'Action:', e.g. "
-                             "'Action:\\nlook around'.", "empty action")
     if len(action) > MAX_ACTION_CHARS:
       return self._unchanged(
           f"Your action is {len(action)} characters long; ScienceWorld commands are short "

@@ -1,0 +1,56 @@
+r"""Command line of the trainer.
+
+  python -m agentgym_jax.train --config=experiments/<study>/<exp>.py[:k=v,...] \
+      --workdir=DIR [--config.a.b=v ...]
+
+Re-running with the same --workdir resumes from its newest checkpoint. A `--config.x=v`
+override of a field the config does not have stops the run before anything starts, naming
+the field.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from agentgym_jax import sharding
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Experiment config file, e.g. experiments/scripted/grpo.py:runlocal.",
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, exports.")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl parsing, with a one-line error for an override of a field that does not exist.
+
+  ml_collections raises AttributeError/KeyError (with a "did you mean") from deep inside flag
+  parsing; the traceback would bury the one line that matters.
+  """
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:
+    bad = [a for a in argv[1:] if a.startswith("--config.")]
+    message = str(e).strip("'\"").replace("\\n", " ")
+    sys.exit(f"FATAL: bad config override among {bad}: no such field: {message}")
+  except flags.Error as e:
+    sys.exit(f"FATAL: {e}\nPass --helpshort for the flags.")
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  logging.getLogger().setLevel(logging.INFO)
+  sharding.maybe_initialize_distributed()
+  # Imported once the distributed runtime is up, so nothing at import time can touch a device
+  # before it.
+  from agentgym_jax.train import loop  # pylint: disable=import-outside-toplevel
+  loop.train(_CONFIG.value, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse_flags)

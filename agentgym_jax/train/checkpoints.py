@@ -1,0 +1,122 @@
+"""Checkpoints of the train state with Orbax: keep-N, asynchronous saves, exact resume.
+
+A checkpoint holds two items: `state` (the TrainState as a plain dict of arrays: parameters,
+optimizer states, step, rng) and `meta` (JSON: the step, the task-order cursor and what a
+resumed run must check, such as the tokenizer). Saves run in the background while training
+goes on; `close()` waits for the last one, so a finished checkpoint is never lost when the
+process exits, and Orbax writes each step to a temporary directory that is renamed only when
+complete, so a crash mid-save leaves the previous checkpoints intact.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from agentgym_jax.train.state import TrainState
+
+_FIELDS = ("step", "rng", "policy", "opt_state", "ref", "critic", "critic_opt_state")
+
+
+def _to_tree(state: TrainState) -> dict[str, Any]:
+  # None fields (no reference, no critic) are left out: they hold nothing to save.
+  return {name: getattr(state, name) for name in _FIELDS if getattr(state, name) is not None}
+
+
+def _abstract(tree: Any) -> Any:
+  """Shape, dtype and sharding of every array: the restore target that places each shard."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class Checkpointer:
+  """Saves and restores (TrainState, meta) under `directory`.
+
+  Args:
+    directory: where step directories are written (created if missing).
+    keep: checkpoints kept; older ones are deleted once a newer one is complete.
+    async_save: write in a background thread (the arrays are copied first, so the update can
+      donate and overwrite its buffers right away).
+    read_only: open existing checkpoints for reading only (evaluation, export).
+  """
+
+  def __init__(self, directory: str, keep: int = 1, async_save: bool = True,
+               read_only: bool = False):
+    if keep < 1:
+      raise ValueError(f"checkpoint.keep must be >= 1, got {keep}.")
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                           enable_async_checkpointing=async_save,
+                                           read_only=read_only)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_names=("state", "meta"))
+
+  def latest_step(self) -> int | None:
+    """The newest complete checkpoint's step, or None."""
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return list(self._manager.all_steps())
+
+  def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
+    """Starts saving `state` and `meta` as checkpoint `step` (returns before it is written)."""
+    args = ocp.args.Composite(state=ocp.args.StandardSave(_to_tree(state)),
+                              meta=ocp.args.JsonSave(dict(meta, step=int(step))))
+    self._manager.save(int(step), args=args, force=True)
+
+  def restore(self, template: TrainState, step: int | None = None
+              ) -> tuple[TrainState, dict[str, Any]]:
+    """Loads checkpoint `step` (default: the latest) laid out like `template`.
+
+    Args:
+      template: a TrainState with the run's structure and shardings (e.g. the freshly
+        initialised one); only shapes, dtypes and shardings are read from it.
+    Returns:
+      (state, meta).
+    Raises:
+      FileNotFoundError: there is no checkpoint.
+      ValueError: the checkpoint's arrays do not match the template (another model or
+        algorithm was configured for this workdir).
+    """
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"No checkpoint in {self.directory}.")
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(_to_tree(template))),
+                              meta=ocp.args.JsonRestore())
+    try:
+      restored = self._manager.restore(step, args=args)
+    except (ValueError, KeyError) as e:
+      raise ValueError(f"Checkpoint {step} in {self.directory} does not match the configured "
+                       f"model/algorithm (was the config changed for this workdir?): {e}") from e
+    fields = dict(restored["state"])
+    state = template.replace(**fields)
+    logging.info("Restored checkpoint %d from %s.", step, self.directory)
+    return state, dict(restored["meta"])
+
+  def restore_params(self, name: str, target: Any, step: int) -> Any:
+    """Restores one field of the saved state (e.g. "policy") onto `target`'s shardings.
+
+    Args:
+      name: a TrainState field.
+      target: tree of jax.ShapeDtypeStruct (with shardings) shaped like that field.
+      step: the checkpoint step.
+    """
+    restore_args = jax.tree.map(
+        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype),
+        target)
+    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item={name: target}, restore_args={name: restore_args}, partial_restore=True))
+    return self._manager.restore(step, args=args)["state"][name]
+
+  def wait(self) -> None:
+    """Blocks until every started save is on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    """Waits for pending saves and releases the manager."""
+    self._manager.wait_until_finished()
+    self._manager.close()

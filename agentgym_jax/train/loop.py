@@ -1,0 +1,346 @@
+"""The trainer: rollout -> scoring -> advantages -> update -> metrics -> checkpoint, per step.
+
+`train(config, workdir)` runs `config.total_steps` steps; called again with the same workdir
+it resumes from the newest checkpoint, with the same parameters, optimizer moments, task order
+and random numbers as an uninterrupted run. Sections follow big_vision's trainer: workdir,
+mesh, tokenizer and environments, model and train state, update step, checkpoint, loop.
+
+Randomness: every step derives its keys from (seed, step) with fold_in, one stream each for
+the rollout, the update's minibatch order and evaluation, so nothing depends on how many
+steps ran in this process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import tqdm
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import environments
+from agentgym_jax import evaluate
+from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.models import Decoder, save_hf
+from agentgym_jax.rl import advantages as advantages_lib
+from agentgym_jax.rl import losses, schedule
+from agentgym_jax.rollout import SamplingConfig, run_episodes
+from agentgym_jax.train import checkpoints, data, metrics as metrics_lib, sources
+from agentgym_jax.train import state as state_lib
+from agentgym_jax.train import update as update_lib
+from environments.workers import EnvPool
+
+ROLLOUT_STREAM, EVAL_STREAM = 0, 2  # update_lib.UPDATE_STREAM is 1
+CHECKPOINT_DIR = "checkpoints"
+HF_EXPORT_DIR = "hf"
+
+
+def _step_key(state: state_lib.TrainState, step: int, stream: int) -> jax.Array:
+  key = jax.random.fold_in(jax.random.wrap_key_data(jax.device_get(state.rng)), step)
+  return jax.random.fold_in(key, stream)
+
+
+def check_batch_layout(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
+  """Fails early, with the numbers, when the rows of a step cannot be split as configured."""
+  rows = config.data.batch_tasks * config.data.group_size
+  shards = int(np.prod([mesh.shape[a] for a in sharding_lib.BATCH_AXES if a in mesh.shape]))
+  parts = config.algo.minibatches * config.algo.microbatches
+  if rows % (parts * shards):
+    raise ValueError(
+        f"data.batch_tasks x data.group_size = {rows} rows per step must be divisible by "
+        f"algo.minibatches x algo.microbatches x data-parallel devices = "
+        f"{config.algo.minibatches} x {config.algo.microbatches} x {shards}; change one of them.")
+
+
+def make_advantage_fn(config: ml_collections.ConfigDict):
+  """Jitted (rewards, mask, group_ids, old_lp, ref_lp, values) -> (advantages, returns, kl).
+
+  With `algo.kl_in_reward` the reward of every agent token loses kl_coef · KL(old || ref)
+  first; `algo.whiten` whitens the estimator's advantages over the batch's agent tokens.
+  """
+  algo = config.algo
+  name = algo.advantage
+  if name == "grpo" and not algo.norm_adv_by_std:
+    name = "drgrpo"  # GRPO without the std division is Dr.GRPO
+  estimator = advantages_lib.ESTIMATORS[name]
+
+  @jax.jit
+  def compute(rewards, mask, group_ids, old_logprobs, ref_logprobs, values):
+    kl = jnp.zeros_like(rewards)
+    if algo.kl_in_reward and algo.kl_coef > 0:
+      rewards, kl = losses.kl_in_reward(rewards, old_logprobs, ref_logprobs, mask,
+                                        beta=algo.kl_coef, kind=algo.kl_estimator)
+    adv, returns = estimator(rewards, mask, values=values, group_ids=group_ids,
+                             gamma=algo.gamma, lam=algo.lam)
+    if algo.whiten:
+      adv = advantages_lib.masked_whiten(adv, mask)
+    return adv, returns, kl
+
+  return compute
+
+
+def _masked_stats(prefix: str, x: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+  values = x[mask.astype(bool)]
+  if values.size == 0:
+    return {f"{prefix}_mean": 0.0, f"{prefix}_std": 0.0}
+  return {f"{prefix}_mean": float(values.mean()), f"{prefix}_std": float(values.std())}
+
+
+def _due(step: int, every: int, total: int) -> bool:
+  """Whether an every-N action runs after `step` (1-based count of completed steps)."""
+  return every > 0 and (step % every == 0 or step == total)
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
+  """Trains per `config` in `workdir` (resuming from its newest checkpoint); returns the
+  metrics of the last step run (empty if the run was already complete)."""
+  ##############################################################################################
+  #                                   Workdir and run info                                     #
+  ##############################################################################################
+  os.makedirs(workdir, exist_ok=True)
+  if jax.process_index() == 0:
+    metrics_lib.write_run_info(workdir, config)
+  logging.info("Config:\n%s", config)
+
+  ##############################################################################################
+  #                                            Mesh                                            #
+  ##############################################################################################
+  mesh = sharding_lib.make_mesh(config.mesh)
+  rows_sharding = NamedSharding(mesh, P(sharding_lib.BATCH_AXES))
+  check_batch_layout(config, mesh)
+  update_cfg = update_lib.UpdateConfig.from_config(config)
+  schedule.validate(config.schedule)
+  logging.info("Mesh %s over %d devices.", dict(mesh.shape), mesh.size)
+
+  ##############################################################################################
+  #                               Tokenizer and environments                                   #
+  ##############################################################################################
+  tok = sources.load_tokenizer(config, workdir)
+  splits = environments.task_splits(config.env.name)
+  stream = data.TaskStream(splits[config.data.split], config.seed)
+  system_prompt = config.env.system_prompt or None
+  sampling = SamplingConfig(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+                            top_k=config.rollout.top_k,
+                            max_reply_tokens=config.rollout.max_reply_tokens)
+
+  ##############################################################################################
+  #                           Model, optimizers and train state                                #
+  ##############################################################################################
+  policy = sources.build_policy(config, tok, mesh)
+  critic = sources.build_critic(policy, config.seed, mesh) if update_cfg.use_critic else None
+  keep_reference = config.algo.kl_coef > 0
+  optimizers = state_lib.Optimizers.from_config(config, with_critic=critic is not None)
+  policy_def, policy_params = state_lib.split_params(policy)
+  critic_def, critic_params = (state_lib.split_params(critic) if critic is not None
+                               else (None, None))
+  shardings = state_lib.train_state_shardings(
+      policy_shardings=state_lib.param_shardings(policy, mesh),
+      critic_shardings=state_lib.param_shardings(critic, mesh) if critic is not None else None,
+      keep_reference=keep_reference, optimizers=optimizers, policy=policy_params,
+      critic=critic_params, mesh=mesh)
+  state = state_lib.init_train_state(
+      policy=policy_params, critic=critic_params, keep_reference=keep_reference,
+      optimizers=optimizers, seed=config.seed, shardings=shardings)
+  del policy, critic, policy_params, critic_params  # the state owns the parameters now
+  logging.info("Policy: %s", jax.tree.reduce(lambda n, x: n + x.size, state.policy, 0))
+
+  ##############################################################################################
+  #                               Update step and scoring passes                               #
+  ##############################################################################################
+  update_step = update_lib.make_update_step(policy_def, critic_def, optimizers, update_cfg,
+                                            mesh, shardings)
+  score_chunks = config.algo.minibatches * config.algo.microbatches
+  score_logprobs, score_values = update_lib.make_scorers(
+      policy_def, critic_def, update_cfg.temperature, score_chunks, mesh)
+  compute_advantages = make_advantage_fn(config)
+
+  ##############################################################################################
+  #                                Checkpoint and resumption                                   #
+  ##############################################################################################
+  # Precedence: the workdir's newest checkpoint; otherwise the initial state built above.
+  ckpt = checkpoints.Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), config.checkpoint.keep)
+  cursor = 0
+  if ckpt.latest_step() is not None:
+    state, meta = ckpt.restore(state)
+    if meta.get("tokenizer") != config.tokenizer.spec:
+      raise ValueError(f"The checkpoint in {workdir} was trained with tokenizer "
+                       f"{meta.get('tokenizer')!r}, the config says {config.tokenizer.spec!r}.")
+    cursor = int(meta["data_cursor"])
+  start_step = int(jax.device_get(state.step))
+  writer = metrics_lib.MetricWriter(workdir, resume_step=start_step)
+  pool = EnvPool(config.env.name, num_workers=config.env.num_workers,
+                 env_kwargs=dict(config.env.kwargs), timeout_s=config.env.timeout_s)
+
+  def meta_at(cursor: int) -> dict[str, Any]:
+    return {"data_cursor": cursor, "tokenizer": config.tokenizer.spec, "env": config.env.name}
+
+  def run_eval(step: int) -> dict[str, float]:
+    eval_ids = splits[config.eval.split]
+    eval_ids = eval_ids[:config.eval.num_tasks] if config.eval.num_tasks else eval_ids
+    sampling_eval = SamplingConfig(temperature=config.eval.temperature, top_p=1.0, top_k=0,
+                                   max_reply_tokens=config.rollout.max_reply_tokens)
+    # The longest horizon of the schedule: the turn budget the trained agent is meant for.
+    result = evaluate.evaluate_policy(
+        policy_def, state.policy, tok, pool, eval_ids, env_name=config.env.name,
+        num_samples=config.eval.group_size, max_turns=max(config.schedule.horizons),
+        sampling=sampling_eval, max_context=config.rollout.max_context,
+        rng=_step_key(state, step, EVAL_STREAM), system_prompt=system_prompt, mesh=mesh)
+    overall = result.summary[evaluate.eval_metrics.OVERALL]
+    return {f"eval/{k}": float(v) for k, v in overall.items()} | {
+        "eval/success_rate": float(np.mean(result.success))}
+
+  ##############################################################################################
+  #                                        Train loop                                          #
+  ##############################################################################################
+  last: dict[str, float] = {}
+  progress = tqdm.tqdm(total=config.total_steps, initial=start_step, desc="train",
+                       disable=not config.log.progress_bar, dynamic_ncols=True)
+  try:
+    for step in range(start_step, config.total_steps):
+      timer = {"start": time.perf_counter()}
+      max_turns = schedule.max_turns(config.schedule, step)
+      task_ids = stream.take(cursor, config.data.batch_tasks)
+      cursor += config.data.batch_tasks
+
+      # ----- rollout -----
+      traj, stats = run_episodes(
+          policy_def, state.policy, tok, pool, task_ids, group_size=config.data.group_size,
+          max_turns=max_turns, sampling=sampling, max_context=config.rollout.max_context,
+          rng=_step_key(state, step, ROLLOUT_STREAM), system_prompt=system_prompt, mesh=mesh)
+      timer["rollout"] = time.perf_counter()
+
+      # ----- scoring: old and reference log-probs, values -----
+      host = jax.device_get(traj)
+      put = lambda x: jax.device_put(np.asarray(x), rows_sharding)
+      tokens, valid, mask = put(host.tokens), put(host.valid), put(host.loss_mask)
+      old_logprobs = score_logprobs(state.policy, tokens, valid)
+      ref_logprobs = (score_logprobs(state.ref, tokens, valid) if state.ref is not None
+                      else jnp.zeros_like(old_logprobs))
+      values = (score_values(state.critic, tokens, valid) if score_values is not None
+                else jnp.zeros_like(old_logprobs))
+      jax.block_until_ready((old_logprobs, ref_logprobs, values))
+      timer["score"] = time.perf_counter()
+
+      # ----- advantages -----
+      adv, returns, reward_kl = compute_advantages(
+          put(host.rewards), mask, put(host.group_id), old_logprobs, ref_logprobs, values)
+      jax.block_until_ready(adv)
+      timer["advantages"] = time.perf_counter()
+
+      # ----- update -----
+      batch = {"tokens": tokens, "valid": valid, "loss_mask": mask,
+               "old_logprobs": old_logprobs, "advantages": adv}
+      if update_cfg.kl_in_loss:
+        batch["ref_logprobs"] = ref_logprobs
+      if update_cfg.use_critic:
+        batch.update(returns=returns, old_values=values)
+      state, update_metrics = update_step(state, batch)
+      update_metrics = jax.device_get(update_metrics)
+      timer["update"] = time.perf_counter()
+
+      # ----- checkpoint and evaluation -----
+      done = step + 1
+      if _due(done, config.checkpoint.every_steps, config.total_steps):
+        ckpt.save(done, state, meta_at(cursor))
+      timer["checkpoint"] = time.perf_counter()
+      eval_metrics = run_eval(done) if _due(done, config.eval.every_steps,
+                                            config.total_steps) else {}
+      timer["eval"] = time.perf_counter()
+
+      # ----- metrics -----
+      host_mask, host_adv = np.asarray(host.loss_mask), np.asarray(jax.device_get(adv))
+      step_metrics = metrics_lib.trajectory_metrics(host)
+      step_metrics.update({k: float(v) for k, v in update_metrics.items()})
+      step_metrics.update(_masked_stats("batch/advantage", host_adv, host_mask))
+      step_metrics.update({
+          "schedule/max_turns": float(max_turns),
+          "schedule/phase": float(schedule.phase(config.schedule, step)),
+          "rollout/logprob_gap": float(np.abs(
+              np.asarray(jax.device_get(old_logprobs)) - host.sample_logprobs)[host_mask].mean()
+              if host_mask.any() else 0.0),
+          "rollout/tokens_per_s": stats["rollout/sampled_tokens"] / max(
+              timer["rollout"] - timer["start"], 1e-9),
+          "rollout/env_seconds": float(stats["rollout/env_seconds"]),
+          "update/tokens_per_s": float(np.sum(host.valid)) * update_cfg.epochs / max(
+              timer["update"] - timer["advantages"], 1e-9),
+          "data/cursor": float(cursor),
+      })
+      if config.algo.kl_in_reward and keep_reference:
+        step_metrics["reward/kl_mean"] = float(np.asarray(jax.device_get(reward_kl))[
+            host_mask].mean()) if host_mask.any() else 0.0
+      if update_cfg.use_critic:
+        host_values = np.asarray(jax.device_get(values))
+        host_returns = np.asarray(jax.device_get(returns))
+        step_metrics.update(_masked_stats("critic/values", host_values, host_mask))
+        step_metrics["critic/explained_variance"] = metrics_lib.explained_variance(
+            host_returns, host_values, host_mask)
+      previous = timer["start"]
+      for phase in ("rollout", "score", "advantages", "update", "checkpoint", "eval"):
+        step_metrics[f"time/{phase}"] = timer[phase] - previous
+        previous = timer[phase]
+      step_metrics["time/step"] = previous - timer["start"]
+      step_metrics.update(eval_metrics)
+      if _due(done, config.log.every_steps, config.total_steps):
+        writer.write(done, step_metrics)
+      progress.update(1)
+      progress.set_postfix(success=f"{step_metrics['episodes/success_rate']:.2f}",
+                           turns=max_turns)
+      last = step_metrics
+  finally:
+    # A crash must not lose a checkpoint that is still being written.
+    progress.close()
+    ckpt.close()
+    pool.close()
+    writer.close()
+
+  ##############################################################################################
+  #                                          Export                                            #
+  ##############################################################################################
+  if config.checkpoint.export_hf and jax.process_index() == 0:
+    export_hf(policy_def, state.policy, tok, os.path.join(workdir, HF_EXPORT_DIR))
+  return last
+
+
+def export_hf(policy_def: nnx.GraphDef, params: Any, tok, directory: str) -> None:
+  """Writes the policy and its tokenizer as an HF checkpoint directory transformers loads."""
+  save_hf(nnx.merge(policy_def, params), directory)
+  tok.save_pretrained(directory)
+  logging.info("Exported the policy to %s.", directory)
+
+
+def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None
+                ) -> tuple[nnx.GraphDef, Any, Any, int]:
+  """The policy of a training checkpoint, for evaluation or export.
+
+  Args:
+    config: the run's config (model shape and tokenizer).
+    workdir: the run's workdir.
+    step: checkpoint step; default the newest.
+  Returns:
+    (graphdef, params on config.mesh, ChatTokenizer, step).
+  """
+  mesh = sharding_lib.make_mesh(config.mesh)
+  tok = sources.load_tokenizer(config, workdir)
+  cfg = sources.policy_config(config, tok)
+  abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+  graphdef, abstract_params = state_lib.split_params(abstract)
+  param_shardings = sharding_lib.state_shardings(
+      nnx.state(abstract, nnx.Param), mesh).to_pure_dict()
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract_params, param_shardings)
+  ckpt = checkpoints.Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), read_only=True)
+  try:
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"No checkpoint in {os.path.join(workdir, CHECKPOINT_DIR)}.")
+    params = ckpt.restore_params("policy", target, step)
+  finally:
+    ckpt.close()
+  return graphdef, params, tok, step

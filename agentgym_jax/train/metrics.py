@@ -1,0 +1,124 @@
+"""Training metrics: per-batch statistics and the writers (JSONL, TensorBoard, run info).
+
+Every metric of a step is one line of `workdir/metrics.jsonl` ({"step": s, name: value, ...})
+and one scalar per name in TensorBoard (`workdir/tb`). A resumed run first drops the lines of
+steps after its checkpoint (written by the run that crashed), so the file reads as one run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from tensorboardX import SummaryWriter
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def trajectory_metrics(traj: Any) -> dict[str, float]:
+  """Outcome and length statistics of a rollout batch (Trajectory fields as host arrays).
+
+  episodes/: success_rate, reward_mean (Σ token rewards per row), score_mean (raw), turns_mean,
+  reply_tokens_mean (sampled tokens per agent turn), length_mean (tokens per episode),
+  truncated_rate, terminated_rate; batch/length (padded L).
+  """
+  loss_mask = np.asarray(traj.loss_mask)
+  turns = np.asarray(traj.num_turns)
+  return {
+      "episodes/success_rate": float(np.mean(traj.success)),
+      "episodes/reward_mean": float(np.mean(np.sum(traj.rewards, axis=1))),
+      "episodes/score_mean": float(np.mean(traj.score)),
+      "episodes/turns_mean": float(np.mean(turns)),
+      "episodes/reply_tokens_mean": float(loss_mask.sum() / max(turns.sum(), 1)),
+      "episodes/length_mean": float(np.mean(np.sum(traj.valid, axis=1))),
+      "episodes/truncated_rate": float(np.mean(traj.truncated)),
+      "episodes/terminated_rate": float(np.mean(traj.terminated)),
+      "batch/length": float(loss_mask.shape[1]),
+  }
+
+
+def explained_variance(returns: np.ndarray, values: np.ndarray, mask: np.ndarray) -> float:
+  """1 - Var(R - V) / Var(R) over agent tokens: 1 is a perfect critic, <= 0 a useless one."""
+  mask = mask.astype(bool)
+  r, v = returns[mask], values[mask]
+  var = np.var(r)
+  return float(1.0 - np.var(r - v) / var) if var > 0 else 0.0
+
+
+def git_commit() -> str | None:
+  """The commit of the checkout this package runs from, or None outside a git checkout."""
+  here = os.path.dirname(os.path.abspath(__file__))
+  try:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                         timeout=10, check=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                           capture_output=True, text=True, timeout=10, check=True)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def write_run_info(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """Writes config.json and run_info.json (git commit, versions, devices) into `workdir`."""
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+  info = {
+      "git_commit": git_commit(),
+      "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+      "host": platform.node(),
+      "jax": jax.__version__,
+      "backend": jax.default_backend(),
+      "devices": jax.device_count(),
+      "processes": jax.process_count(),
+  }
+  with open(os.path.join(workdir, "run_info.json"), "w") as f:
+    json.dump(info, f, indent=2)
+
+
+class MetricWriter:
+  """Appends metrics to workdir/metrics.jsonl and TensorBoard.
+
+  Args:
+    workdir: the run's directory.
+    resume_step: the step the run restarts from; logged lines of later steps are removed.
+  """
+
+  def __init__(self, workdir: str, resume_step: int = 0):
+    self.path = os.path.join(workdir, METRICS_FILE)
+    if os.path.exists(self.path):
+      with open(self.path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+      with open(self.path, "w") as f:
+        f.writelines(kept)
+    self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+  def write(self, step: int, metrics: Mapping[str, float]) -> None:
+    """Records the scalars of `step` (logged as the number of steps completed)."""
+    clean = {k: float(v) for k, v in sorted(metrics.items())}
+    with open(self.path, "a") as f:
+      f.write(json.dumps({"step": int(step), **clean}) + "\n")
+    for name, value in clean.items():
+      self._tb.add_scalar(name, value, int(step))
+    self._tb.flush()
+
+  def close(self) -> None:
+    self._tb.close()
+
+
+def read_metrics(workdir: str) -> list[dict[str, Any]]:
+  """The lines of workdir/metrics.jsonl as dicts (tests, notebooks)."""
+  path = os.path.join(workdir, METRICS_FILE)
+  if not os.path.exists(path):
+    logging.warning("No metrics file at %s.", path)
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]

