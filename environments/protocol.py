@@ -3,13 +3,16 @@
 Every AgentGym env server holds many instances keyed by an integer and answers `/create`,
 `/reset`, `/step`, `/observation` and `/close`, but each names its fields its own way:
 
-| env       | id key  | reset body         | /create returns       | /reset returns               | /step fields                              |
-|-----------|---------|--------------------|-----------------------|------------------------------|-------------------------------------------|
-| babyai    | id      | data_idx           | {"id"}                | observation,reward,score,done | observation, reward, score, done          |
-| textcraft | id      | data_idx           | {"id", observation..} | id,observation,reward,done   | observation, reward, done                 |
-| sciworld  | id      | data_idx           | {"id"}                | task_description,observation..| observation, reward, score, done         |
-| searchqa  | env_idx | id                 | bare int              | the observation text         | observation, reward, done, info           |
-| webarena  | env_idx | idx (+ seed=0)     | {"env_idx"}           | {"observation", ...}         | observation, reward, terminated, truncated, info |
+| env       | id key  | /reset body | /create answers   | /reset answers         | /step fields    |
+|-----------|---------|-------------|-------------------|------------------------|-----------------|
+| babyai    | id      | data_idx    | {id}              | observation, score...  | + reward, score |
+| textcraft | id      | data_idx    | {id, observation} | {id, observation...}   | + reward        |
+| sciworld  | id      | data_idx    | {id}              | task_description, obs. | + reward, score |
+| searchqa  | env_idx | id          | a bare int        | the observation text   | + reward, info  |
+| webarena  | env_idx | idx, seed=0 | {env_idx}         | {observation, ...}     | see below       |
+
+Every /step answer has `observation` and `done`, except WebArena's, which has observation,
+reward, terminated, truncated and info.
 
 Where a `score` field exists it is the cumulative raw score and `reward` is its change since
 the last step; AgentGym's clients report `score` as the step reward (BabyAI, SciWorld), else
@@ -137,6 +140,11 @@ class _BabyAI(Protocol):
 
 
 class _TextCraft(Protocol):
+
+  def create_body(self):
+    # TextCraft's server declares a (nullable) body for custom recipes; without one it
+    # answers 422.
+    return {"commands": None, "goal": None}
 
   def create_response(self, instance_id, observation):
     # TextCraft's server resets a new instance right away and its client reads the text.

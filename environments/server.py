@@ -71,10 +71,11 @@ class _Instance:
     self.last_step: dict[str, Any] = {}
     self.previous_raw = 0.0     # last raw score, for the per-step reward of score protocols
     self.running = False        # reset, and not finished
+    self.closed = False
 
 
-def _jsonable(value: Any) -> Any:
-  """`value` with numpy scalars and arrays turned into plain JSON values; others dropped."""
+def jsonable(value: Any) -> Any:
+  """`value` (an info dict) as plain JSON: numpy values converted, non-JSON objects dropped."""
   if isinstance(value, (str, bool)) or value is None:
     return value
   if isinstance(value, (int, float)):
@@ -82,14 +83,14 @@ def _jsonable(value: Any) -> Any:
   if isinstance(value, dict):
     out = {}
     for key, item in value.items():
-      item = _jsonable(item)
+      item = jsonable(item)
       if item is not _SKIP:
         out[str(key)] = item
     return out
   if isinstance(value, (list, tuple)):
-    return [item for item in map(_jsonable, value) if item is not _SKIP]
+    return [item for item in map(jsonable, value) if item is not _SKIP]
   if hasattr(value, "tolist"):  # numpy scalar or array, without importing numpy
-    return _jsonable(value.tolist())
+    return jsonable(value.tolist())
   return _SKIP
 
 
@@ -114,20 +115,27 @@ class EnvService:
 
   # ----- helpers -----------------------------------------------------------------------------
 
-  def _get(self, instance_id: int) -> _Instance:
+  @contextlib.contextmanager
+  def _hold(self, instance_id: int) -> Iterator[_Instance]:
+    """The instance, locked for the caller; 404 if it does not exist (or was just closed)."""
     with self._lock:
       instance = self._instances.get(instance_id)
-    if instance is None:
-      raise RequestError(404, f"Unknown {self.protocol.id_key} {instance_id}: it was never "
-                              "created or is already closed. POST /create for a new one.")
-    return instance
+    if instance is not None:
+      with instance.lock:
+        # A concurrent /close may have won the lock first.
+        if not instance.closed:
+          yield instance
+          return
+    raise RequestError(404, f"Unknown {self.protocol.id_key} {instance_id}: it was never "
+                            "created or is already closed. POST /create for a new one.")
 
   @staticmethod
   def _discard_env(instance: _Instance) -> None:
     """Drops a failed simulator; it may be in any state, so the next reset builds a new one."""
     env, instance.env, instance.running = instance.env, None, False
-    with contextlib.suppress(Exception):
-      env.close()
+    if env is not None:
+      with contextlib.suppress(Exception):
+        env.close()
 
   def _reset_locked(self, instance_id: int, instance: _Instance, task_id: int) -> Any:
     if instance.env is None:
@@ -164,7 +172,7 @@ class EnvService:
     observation = None
     if task_id is not None:
       try:
-        with instance.lock:
+        with self._hold(instance_id):
           self._reset_locked(instance_id, instance, task_id)
           observation = instance.observation
       except Exception:
@@ -174,13 +182,11 @@ class EnvService:
     return self.protocol.create_response(instance_id, observation)
 
   def reset(self, instance_id: int, task_id: int) -> Any:
-    instance = self._get(instance_id)
-    with instance.lock:
+    with self._hold(instance_id) as instance:
       return self._reset_locked(instance_id, instance, task_id)
 
   def step(self, instance_id: int, action: str) -> dict[str, Any]:
-    instance = self._get(instance_id)
-    with instance.lock:
+    with self._hold(instance_id) as instance:
       if not instance.running:
         raise RequestError(409, f"Instance {instance_id} has no running episode (never reset, "
                                 "finished, or failed). POST /reset to start one.")
@@ -200,29 +206,25 @@ class EnvService:
       if not self.strict:
         response = dict(response, textenv={
             "reward": float(reward), "terminated": terminated, "truncated": truncated,
-            "info": _jsonable(info)})
+            "info": jsonable(info)})
       return response
 
   def observation(self, instance_id: int) -> Any:
-    instance = self._get(instance_id)
-    with instance.lock:
+    with self._hold(instance_id) as instance:
       return self.protocol.observation_response(instance.observation, instance.last_step)
 
   def expert_action(self, instance_id: int) -> dict[str, str]:
-    instance = self._get(instance_id)
-    with instance.lock:
+    with self._hold(instance_id) as instance:
       if not instance.running:
         raise RequestError(409, f"Instance {instance_id} has no running episode; reset it.")
       return {"action": instance.env.expert_action()}
 
   def close(self, instance_id: int) -> Any:
-    instance = self._get(instance_id)
-    with instance.lock:
+    with self._hold(instance_id) as instance:
       with self._lock:
         self._instances.pop(instance_id, None)
-      if instance.env is not None:
-        instance.env.close()
-        instance.env = None
+      instance.closed = True
+      self._discard_env(instance)
     return self.protocol.close_response()
 
   def health(self) -> dict[str, Any]:
@@ -236,10 +238,8 @@ class EnvService:
       instances, self._instances = list(self._instances.values()), {}
     for instance in instances:
       with instance.lock:
-        if instance.env is not None:
-          with contextlib.suppress(Exception):
-            instance.env.close()
-          instance.env = None
+        instance.closed = True
+        self._discard_env(instance)
 
 
 # ----- HTTP layer ----------------------------------------------------------------------------

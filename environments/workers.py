@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -37,6 +38,8 @@ EnvSpec = str | type[TextEnv]
 
 # Seconds a closing worker gets to release its environments before it is killed.
 _CLOSE_GRACE_S = 5.0
+# Seconds a new worker gets to start Python and import its environment's module.
+_BOOT_TIMEOUT_S = 120.0
 
 
 @dataclasses.dataclass
@@ -137,11 +140,27 @@ class _Slots:
       self.discard(slot)
 
 
+def _picklable(info: dict[str, Any]) -> dict[str, Any]:
+  out = {}
+  for key, value in info.items():
+    try:
+      pickle.dumps(value)
+    except (pickle.PicklingError, TypeError, AttributeError):
+      value = repr(value)
+    out[key] = value
+  return out
+
+
 def _worker_main(conn: mp_connection.Connection, env_spec: EnvSpec,
                  env_kwargs: dict[str, Any]) -> None:
   """Serves ("reset" | "step", [(slot, arg), ...]) batches until "close" or the parent leaves."""
   # Ctrl-C goes to the parent, which shuts the pool down in order.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  if isinstance(env_spec, str):
+    # Imported now, so that a missing simulator shows when the pool starts, not per episode.
+    remote_name = env_kwargs.get("env_name") if env_spec == "remote" else None
+    environments.env_class(env_spec, env_name=remote_name)
+  conn.send("ready")
   slots = _Slots(env_spec, env_kwargs)
   try:
     while True:
@@ -157,7 +176,13 @@ def _worker_main(conn: mp_connection.Connection, env_spec: EnvSpec,
         results = [slots.step(slot, response) for slot, response in batch]
       else:
         raise ValueError(f"Unknown pool command {command!r}.")
-      conn.send(results)
+      # Plain tuples pickle about 3x faster than the dataclass: it matters for cheap envs.
+      reply = [(r.observation, r.reward, r.terminated, r.truncated, r.info) for r in results]
+      try:
+        conn.send(reply)
+      except (pickle.PicklingError, TypeError, AttributeError):
+        # An env put an object that cannot cross processes into its info; send its repr.
+        conn.send([fields[:4] + (_picklable(fields[4]),) for fields in reply])
   finally:
     slots.close()
     conn.close()
@@ -210,6 +235,18 @@ class _Worker:
   def pid(self) -> int:
     return self.process.pid
 
+  def wait_ready(self) -> None:
+    """Blocks until the worker has booted; raises if it died or hung on the way."""
+    try:
+      if self.conn.poll(_BOOT_TIMEOUT_S) and self.conn.recv() == "ready":
+        return
+      problem = f"did not start within {_BOOT_TIMEOUT_S:g} s"
+    except (EOFError, OSError):
+      problem = "exited at startup (its traceback is above)"
+    self.kill()
+    raise RuntimeError(f"Env worker {self.index} {problem}; check that the environment "
+                       "imports and builds in a fresh Python process.")
+
   def kill(self) -> str:
     """Kills the worker and its process group; returns how the worker had ended."""
     returncode = self.process.poll()
@@ -246,15 +283,20 @@ class EnvPool:
     env_kwargs: keyword arguments for every environment instance.
     timeout_s: limit on each `reset`/`step` call: a worker that has not answered by then is
       killed and its episodes come back failed. Choose it above the slowest batch one worker
-      serves (e.g. the creation of its SciWorld JVMs at the first reset).
+      serves.
+    create_timeout_s: added to a reset's limit for each environment instance the busiest
+      worker must build first (instances are built on a slot's first reset and reused; a
+      SciWorld instance starts a JVM, 1-5 s), so that a pool's first reset is not cut short.
   """
 
   def __init__(self, env_name: EnvSpec, num_workers: int = 2,
-               env_kwargs: dict[str, Any] | None = None, timeout_s: float = 60.0):
+               env_kwargs: dict[str, Any] | None = None, timeout_s: float = 60.0,
+               create_timeout_s: float = 60.0):
     if num_workers < 1:
       raise ValueError(f"num_workers must be >= 1, got {num_workers}.")
-    if timeout_s <= 0:
-      raise ValueError(f"timeout_s must be > 0, got {timeout_s}.")
+    if timeout_s <= 0 or create_timeout_s < 0:
+      raise ValueError(f"Need timeout_s > 0 and create_timeout_s >= 0, got {timeout_s} and "
+                       f"{create_timeout_s}.")
     self.env_kwargs = dict(env_kwargs or {})
     if isinstance(env_name, str):
       remote_name = self.env_kwargs.get("env_name") if env_name == "remote" else None
@@ -265,15 +307,21 @@ class EnvPool:
     self.env_spec = env_name
     self.num_workers = num_workers
     self.timeout_s = float(timeout_s)
+    self.create_timeout_s = float(create_timeout_s)
     self._task_ids: dict[int, int] = {}
+    self._built: set[int] = set()  # slots whose worker holds a built environment
     self._workers: list[_Worker] = []
     # Runs at close(), at garbage collection and at interpreter exit, whichever comes first.
     self._finalizer = weakref.finalize(self, _shutdown, self._workers)
     for index in range(num_workers):
-      self._workers.append(self._start_worker(index))
-
-  def _start_worker(self, index: int) -> _Worker:
-    return _Worker(index, self.env_spec, self.env_kwargs)
+      self._workers.append(_Worker(index, self.env_spec, self.env_kwargs))
+    try:
+      # Boot in parallel, then wait: call timeouts then measure environment work only.
+      for worker in self._workers:
+        worker.wait_ready()
+    except RuntimeError:
+      self.close()
+      raise
 
   # ----- public API --------------------------------------------------------------------------
 
@@ -341,6 +389,12 @@ class EnvPool:
       for position in positions[index]:
         outcomes[position] = self._labelled(failed_outcome(reason), command, requests[position])
 
+    limit = self.timeout_s
+    if command == "reset":
+      to_build = max(sum(slot not in self._built for slot, _ in batch)
+                     for batch in batches.values())
+      limit += self.create_timeout_s * to_build
+
     pending: dict[Any, int] = {}
     try:
       for index, batch in batches.items():
@@ -352,7 +406,7 @@ class EnvPool:
           continue
         pending[worker.conn] = index
 
-      deadline = time.monotonic() + self.timeout_s
+      deadline = time.monotonic() + limit
       while pending:
         ready = mp_connection.wait(list(pending), max(0.0, deadline - time.monotonic()))
         if not ready:
@@ -364,13 +418,19 @@ class EnvPool:
           except (EOFError, OSError):
             fail(index, self._replace(index, f"it died during {command}"))
             continue
-          for position, outcome in zip(positions[index], results):
+          for position, fields in zip(positions[index], results):
+            outcome = StepOutcome(*fields)
+            slot = requests[position][0]
             if outcome.failed:
+              # The worker drops the environment of a failed episode.
+              self._built.discard(slot)
               outcome = self._labelled(outcome, command, requests[position])
+            elif command == "reset":
+              self._built.add(slot)
             outcomes[position] = outcome
       for index in list(pending.values()):
-        fail(index, self._replace(
-            index, f"it did not answer {command} within timeout_s={self.timeout_s:g}"))
+        fail(index, self._replace(index, f"it did not answer {command} within {limit:g} s "
+                                         f"(timeout_s={self.timeout_s:g})"))
       pending.clear()
     finally:
       # Interrupted mid-call (e.g. Ctrl-C): a late reply would be read as the answer to the
@@ -392,5 +452,7 @@ class EnvPool:
     """Kills worker `index`, starts a fresh one, and returns the failure reason to report."""
     old = self._workers[index]
     how = old.kill()
-    self._workers[index] = self._start_worker(index)
+    self._built = {slot for slot in self._built if slot % self.num_workers != index}
+    self._workers[index] = _Worker(index, self.env_spec, self.env_kwargs)
+    self._workers[index].wait_ready()
     return f"env worker {index} (pid {old.pid}) was replaced: {why} ({how})"

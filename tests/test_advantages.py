@@ -250,12 +250,18 @@ def test_matches_loop_float64(name, seed):
   np.testing.assert_allclose(ret, want_ret, atol=1e-6)
 
 
+def float32_batch(seed):
+  """A [16, 64] float32 batch; the tests below share its shapes, so they share compilations."""
+  rewards, mask, values, group_ids = random_batch(seed, batch=16, length=64)
+  return rewards.astype(np.float32), mask.astype(bool), values.astype(np.float32), group_ids
+
+
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_matches_loop_float32(name):
-  rewards, mask, values, group_ids = random_batch(3, batch=16, length=64)
-  want_adv, want_ret = reference(name, rewards, mask, values, group_ids, 0.99, 0.95, 1e-6)
-  adv, ret = ESTIMATORS[name](rewards.astype(np.float32), mask.astype(bool),
-                              values=values.astype(np.float32), group_ids=group_ids, gamma=0.99,
+  rewards, mask, values, group_ids = float32_batch(3)
+  want_adv, want_ret = reference(name, rewards.astype(np.float64), mask, values.astype(
+      np.float64), group_ids, 0.99, 0.95, 1e-6)
+  adv, ret = ESTIMATORS[name](rewards, mask, values=values, group_ids=group_ids, gamma=0.99,
                               lam=0.95)
   assert adv.dtype == jnp.float32
   np.testing.assert_allclose(adv, want_adv, atol=1e-5)
@@ -358,8 +364,8 @@ def test_shape_errors_raise_inside_jit():
 
 @pytest.mark.parametrize("name", sorted(ESTIMATORS))
 def test_all_masked_rows_give_zeros(name):
-  rewards, mask, values, group_ids = random_batch(4)
-  mask[2] = 0
+  rewards, mask, values, group_ids = float32_batch(4)
+  mask[2] = False
   rewards[2, 5] = 3.0  # a stray reward on a row without agent tokens
   adv, ret = ESTIMATORS[name](rewards, mask, values=values, group_ids=group_ids)
   assert np.isfinite(adv).all() and np.isfinite(ret).all()
@@ -373,11 +379,10 @@ def test_all_masked_rows_give_zeros(name):
 
 @pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus"])
 def test_non_finite_junk_off_agent_tokens_does_not_leak(name):
-  rewards, mask, values, group_ids = random_batch(6)
-  values = np.where(mask > 0, values, np.inf)   # critic junk on obs/padding
-  want = ESTIMATORS[name](rewards, mask, values=np.where(mask > 0, values, 0.0))
-  rewards = np.where(mask > 0, rewards, np.nan)  # stray NaN rewards off agent tokens
+  rewards, mask, values, group_ids = float32_batch(6)
+  want = ESTIMATORS[name](rewards, mask, values=np.where(mask, values, 0.0), group_ids=group_ids)
+  values = np.where(mask, values, np.inf)   # critic junk on obs/padding
+  rewards = np.where(mask, rewards, np.nan)  # stray NaN rewards off agent tokens
   got = ESTIMATORS[name](rewards, mask, values=values, group_ids=group_ids)
   for g, w in zip(got, want):
     np.testing.assert_array_equal(g, w)
-

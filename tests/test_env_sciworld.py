@@ -12,9 +12,9 @@ import pytest
 
 from environments import make, task_splits
 from environments.sciworld import games
-from environments.sciworld.env import MAX_ACTION_CHARS, SciWorldEnv
+from environments.sciworld.env import MAX_ACTION_CHARS, STEP_LIMIT, SciWorldEnv
 
-scienceworld = pytest.importorskip("scienceworld")
+pytest.importorskip("scienceworld")
 
 # environments.md §4.1: (ScienceWorld id, task name, #variations, first AgentGym index).
 AGENTGYM_TABLE = [
@@ -81,20 +81,17 @@ def test_index_is_agentgyms_table():
       games.game(bad)
 
 
-def test_shipped_data_matches_installed_scienceworld():
-  sw = scienceworld.ScienceWorldEnv("", envStepLimit=100)
-  try:
-    assert games.build_index(sw) == list(games.task_table())
-    splits = task_splits("sciworld")
-    expected_train = []
-    for row in games.task_table():
-      sw.load(row["task_name"], 0, "")
-      expected_train += [row["first_index"] + v for v in sw.get_variations_train()]
-      test_variations = set(sw.get_variations_test())
-      chosen = [games.game(i)[1] for i in splits["test"] if games.game(i)[0] == row["task_name"]]
-      assert chosen and set(chosen) <= test_variations, row["task_name"]
-  finally:
-    sw.close()
+def test_shipped_data_matches_installed_scienceworld(env):
+  sw = env._sw  # the module's simulator; resets reload their game afterwards
+  assert games.build_index(sw) == list(games.task_table())
+  splits = task_splits("sciworld")
+  expected_train = []
+  for row in games.task_table():
+    sw.load(row["task_name"], 0, "")
+    expected_train += [row["first_index"] + v for v in sw.get_variations_train()]
+    test_variations = set(sw.get_variations_test())
+    chosen = [games.game(i)[1] for i in splits["test"] if games.game(i)[0] == row["task_name"]]
+    assert chosen and set(chosen) <= test_variations, row["task_name"]
   assert splits["train"] == sorted(expected_train)
   assert len(splits["test"]) == len(set(splits["test"])) == 200
   assert not set(splits["train"]) & set(splits["test"])
@@ -125,27 +122,28 @@ def test_rewards_are_the_cumulative_score(env):
   assert info["score"] == 100.0 and info["success"] is True
 
 
-def test_paper_mode_and_failure():
-  with SciWorldEnv(reward_mode="paper") as paper_env:
-    paper_env.reset(options={"task_id": 4240})
-    assert [paper_env.step(a)[1] for a in TO_OUTSIDE] == [0.0, 25.0, 25.0, 50.0]
-    _, reward, terminated, _, info = paper_env.step("focus on baby mouse")  # wrong animal
-    assert (reward, terminated, info["score"], info["success"]) == (-100.0, True, -100.0, False)
-    # The same failure is reward 0 when normalised.
-    paper_env.reward_mode = "normalized"
-    paper_env.reset(options={"task_id": 4240})
-    for action in TO_OUTSIDE:
-      paper_env.step(action)
-    _, reward, terminated, _, info = paper_env.step("focus on baby mouse")
-    assert (reward, terminated, info["score"]) == (0.0, True, -100.0)
+def test_paper_mode_and_failure(env):
+  for mode, rewards, failure in [("paper", [0.0, 25.0, 25.0, 50.0], -100.0),
+                                 ("normalized", [0.0, 0.25, 0.25, 0.5], 0.0)]:
+    env.reward_mode = mode
+    try:
+      env.reset(options={"task_id": 4240})
+      assert [env.step(action)[1] for action in TO_OUTSIDE] == rewards
+      _, reward, terminated, _, info = env.step("focus on baby mouse")  # the wrong animal
+    finally:
+      env.reward_mode = "normalized"
+    assert (reward, terminated, info["score"], info["success"]) == (failure, True, -100.0, False)
 
 
-def test_step_limit_truncates():
-  # ScienceWorld counts moves, not steps: "open door" is 1 move, "wait1" 2, "wait" 11.
-  with SciWorldEnv(step_limit=5) as short:
-    short.reset(options={"task_id": 0})
-    ends = [short.step(a)[2:] for a in ["wait1", "wait1", "open door to kitchen", "look around",
-                                        "wait1"]]
+def test_step_limit_truncates(env):
+  # ScienceWorld counts moves, not steps: "open door" is 1 move, "wait1" 2, a free action 0.
+  env.step_limit = 5
+  try:
+    env.reset(options={"task_id": 0})
+    ends = [env.step(a)[2:] for a in ["wait1", "wait1", "open door to kitchen", "look around",
+                                      "wait1"]]
+  finally:
+    env.step_limit = STEP_LIMIT
   assert [(terminated, truncated, info["moves"]) for terminated, truncated, info in ends] == [
       (False, False, 2), (False, False, 4), (False, False, 5), (False, False, 5), (False, True, 7)]
 
@@ -194,8 +192,8 @@ def test_parse_action():
   assert parse("Action: pour cup\ninto pot") == "pour cup\ninto pot"  # may span lines
   assert parse("I would open the door.") == ""
   assert parse("") == ""
-  for action in ["look around", "focus on substance in metal pot", "0", "wait1",
-                 "pour cup containing blue paint in art studio in cup containing red paint in table"]:
+  longest_gold = "pour cup containing blue paint in art studio in cup containing red paint in table"
+  for action in ["look around", "focus on substance in metal pot", "0", "wait1", longest_gold]:
     assert parse(SciWorldEnv.format_action(action)) == action
 
 

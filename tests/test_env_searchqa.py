@@ -89,7 +89,7 @@ def test_first_observation_and_info(env):
   assert SearchQAEnv.acknowledgement == "Ok."
 
 
-# ----- exact match and rewards ---------------------------------------------------------------------
+# ----- exact match and rewards --------------------------------------------------------------------
 
 
 def test_normalize_and_exact_match():
@@ -141,7 +141,7 @@ def test_expert_without_gold_title_searches_the_question(flashrag, tmp_path):
     assert e.step(e.expert_action())[1:3] == (1.0, True)
 
 
-# ----- parsing and bad input ---------------------------------------------------------------------
+# ----- parsing and bad input ----------------------------------------------------------------------
 
 
 def test_parse_action():
@@ -189,7 +189,7 @@ def test_raw_bytes_and_huge_unparsed_input(env):
   assert env.step("<answer>Lake Erie</answer>")[1:3] == (1.0, True)
 
 
-# ----- questions, corpus, cache --------------------------------------------------------------------
+# ----- questions, corpus, cache -------------------------------------------------------------------
 
 
 def test_shipped_questions(env):

@@ -158,7 +158,7 @@ def test_token_exactness_against_real_env(tok, model, env_name, monkeypatch):
 def test_sample_logprobs_match_forward_pass(tok, model):
   graphdef, state = nnx.split(model)
   traj, _ = run_episodes(graphdef, state, tok, FakePool(), [0, 1, 2, 3], max_turns=4,
-                         sampling=SAMPLING, max_context=1024, rng=3)
+                         sampling=SAMPLING, max_context=1024, rng=3, compact=False)
   mask = np.asarray(traj.loss_mask)
   want = _forward_logprobs(model, traj)
   np.testing.assert_allclose(np.asarray(traj.sample_logprobs)[mask], want[mask], atol=1e-4)
@@ -204,7 +204,7 @@ def _greedy_without_cache(model, tok, pool, task_ids, max_turns, cap, max_contex
 def test_cache_matches_reencoding_every_turn(tok, model):
   graphdef, state = nnx.split(model)
   traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 2, 3, 6], max_turns=3,
-                             sampling=GREEDY, max_context=1024, rng=0)
+                             sampling=GREEDY, max_context=1024, rng=0, compact=False)
   reference = _greedy_without_cache(model, tok, FakePool(), [1, 2, 3, 6], 3, GREEDY.max_reply_tokens)
   for row, want in enumerate(reference):
     n = int(np.asarray(traj.valid[row]).sum())
@@ -220,10 +220,10 @@ def test_twenty_turns_compile_a_bounded_number_of_times(tok):
   graphdef, state = nnx.split(model)
   before = (sampler.extend._cache_size(), sampler.decode._cache_size())
   with EnvPool("scripted", num_workers=1,
-               env_kwargs=dict(max_steps=100, filler_words=40, vary_filler=True)) as pool:
+               env_kwargs=dict(max_steps=100, filler_words=20, vary_filler=True)) as pool:
     rec = Recorder(pool)
     traj, stats = run_episodes(graphdef, state, tok, rec, [0, 1, 2, 3], max_turns=20,
-                               sampling=SamplingConfig(max_reply_tokens=8), max_context=2048,
+                               sampling=SamplingConfig(max_reply_tokens=8), max_context=3072,
                                rng=1)
   lengths = {len(tok.encode_observation(o)) for obs in rec.observations.values() for o in obs}
   assert len(lengths) >= 5  # observation chunks of many different lengths
@@ -275,7 +275,7 @@ def test_context_limit_truncates(tok, model):
                                     {"role": "user", "content": "Task 3 begins."}]))
   limit = opening + 60
   traj, stats = run_episodes(graphdef, state, tok, FakePool(), [3, 3, 3, 3], max_turns=10,
-                             sampling=SAMPLING, max_context=limit, rng=0)
+                             sampling=SAMPLING, max_context=limit, rng=0, compact=False)
   assert [e.stop_reason for e in stats["episodes"]] == ["context"] * 4
   assert traj.truncated.all() and not traj.terminated.any()
   assert (np.asarray(traj.valid).sum(1) <= limit).all()
@@ -285,16 +285,18 @@ def test_context_limit_truncates(tok, model):
   assert traj.num_turns.tolist() == [0] and not np.asarray(traj.loss_mask).any()
 
 
-def test_compaction_and_sharding_do_not_change_samples(tok, model):
+def test_compaction_and_sharding_do_not_change_samples(tok, model, monkeypatch):
   graphdef, state = nnx.split(model)
-  # Episodes end after 1, 2, 3 and 4 turns: the batch shrinks 4 -> 2 -> 1.
-  run = lambda **kw: run_episodes(graphdef, state, tok, FakePool(), [0, 1, 2, 3], max_turns=4,
+  # Two episodes end after one turn, so the batch shrinks from 4 rows to 2.
+  run = lambda **kw: run_episodes(graphdef, state, tok, FakePool(), [0, 1, 4, 5], max_turns=2,
                                   sampling=SAMPLING, max_context=1024, rng=11, **kw)[0]
   plain = run(compact=False)
+  calls = _spy_decode(monkeypatch)
   compacted = run(compact=True)
+  assert [len(active) for active, _, _ in calls] == [4, 2]
   mesh = make_mesh([("data", -1), ("fsdp", 1), ("tensor", 1)], devices=jax.devices()[:4])
   sharded = run(compact=True, mesh=mesh)
-  assert plain.num_turns.tolist() == [1, 2, 3, 4]
+  assert plain.num_turns.tolist() == [1, 2, 1, 2]
   for other in (compacted, sharded):
     np.testing.assert_array_equal(other.tokens, plain.tokens)
     np.testing.assert_allclose(other.sample_logprobs, plain.sample_logprobs, atol=1e-5)
@@ -302,12 +304,12 @@ def test_compaction_and_sharding_do_not_change_samples(tok, model):
 
 def test_save_jsonl(tok, model, tmp_path):
   graphdef, state = nnx.split(model)
-  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 2], max_turns=3,
-                             sampling=SAMPLING, max_context=1024, rng=0)
+  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 2, 1, 2], max_turns=3,
+                             sampling=SAMPLING, max_context=1024, rng=0, compact=False)
   path = tmp_path / "traj.jsonl"
   save_jsonl(str(path), traj, tok.decode, stats["episodes"])
   lines = [json.loads(line) for line in path.read_text().splitlines()]
-  assert [line["num_turns"] for line in lines] == [2, 3]
+  assert [line["num_turns"] for line in lines] == [2, 3, 2, 3]
   for line, e in zip(lines, stats["episodes"]):
     assert "".join(s["text"] for s in line["segments"]) == tok.decode(e.tokens)
     replies = [m["content"] for m in line["messages"][3::2]]

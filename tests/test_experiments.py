@@ -13,6 +13,7 @@ if str(ROOT) not in sys.path:  # experiment files import `experiments.agentgym_r
   sys.path.insert(0, str(ROOT))
 
 from agentgym_jax import sweeps  # pylint: disable=wrong-import-position
+from agentgym_jax.rl import schedule  # pylint: disable=wrong-import-position
 from agentgym_jax.train import config as base  # pylint: disable=wrong-import-position
 
 PAPER_ENVS = ("babyai", "textcraft", "sciworld", "searchqa", "webarena")
@@ -65,9 +66,9 @@ def test_paper_configs_load_for_every_documented_arg(env):
     config = module.get_config(arg)
     assert config.is_locked, arg
     assert config.env.name in (env, "remote"), arg
-    schedule = "scaling_inter" if "scaling_inter" in arg else "fixed"
-    assert config.schedule.kind == schedule
-    assert list(config.schedule.horizons) == sorted(config.schedule.horizons)
+    kind = "scaling_inter" if "scaling_inter" in arg else "fixed"
+    assert config.schedule.kind == kind
+    schedule.validate(config.schedule)  # the trainer's own check of the horizon schedule
     rows = config.data.batch_tasks * config.data.group_size
     assert rows % (config.algo.minibatches * config.algo.microbatches) == 0, arg
     if "runlocal" in arg:
@@ -111,13 +112,13 @@ PAPER_ROWS = {
 }
 
 
-@pytest.mark.parametrize("env,schedule", sorted(PAPER_ROWS))
-def test_paper_rows(env, schedule):
-  c = load(f"experiments/agentgym_rl/{env}.py").get_config(f"schedule={schedule}")
+@pytest.mark.parametrize("env,kind", sorted(PAPER_ROWS))
+def test_paper_rows(env, kind):
+  c = load(f"experiments/agentgym_rl/{env}.py").get_config(f"schedule={kind}")
   got = (c.data.group_size, c.data.batch_tasks, c.algo.minibatches, c.algo.epochs,
          tuple(c.schedule.horizons), c.rollout.max_reply_tokens, c.rollout.max_context)
-  assert got == PAPER_ROWS[(env, schedule)]
-  if schedule == "scaling_inter":
+  assert got == PAPER_ROWS[(env, kind)]
+  if kind == "scaling_inter":
     assert c.schedule.steps_per_phase == (80 if env == "webarena" else 100)
     # The run reaches the last phase.
     assert c.total_steps > c.schedule.steps_per_phase * (len(c.schedule.horizons) - 1)
@@ -140,6 +141,7 @@ def test_sweeps_expand_and_apply(env):
         for part in filter(None, section.split(".")):
           holder = holder[part]
         holder[leaf] = value
+      schedule.validate(config.schedule)
   with pytest.raises(ValueError, match="Unknown sweep"):
     module.get_sweep("nope")
 

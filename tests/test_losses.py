@@ -42,9 +42,9 @@ def test_ppo_clip_golden():
   adv = np.array([[1, 1, 1, 5.0], [-1, -1, -2, 5.0]])
   mask = np.array([[1, 1, 1, 0], [1, 1, 1, 0]], bool)
   old = np.full((2, 4), -1.3)
-  loss, metrics = POLICY_LOSSES["ppo_clip"](old + np.log(ratio), old, adv, mask,
-                                            clip_ratio_low=0.2, clip_ratio_high=0.28,
-                                            clip_ratio_c=3.0)
+  ppo_clip = jax.jit(POLICY_LOSSES["ppo_clip"])
+  loss, metrics = ppo_clip(old + np.log(ratio), old, adv, mask, clip_ratio_low=0.2,
+                           clip_ratio_high=0.28, clip_ratio_c=3.0)
   np.testing.assert_allclose(loss, [[-1, -1.28, -0.5, 0], [0.8, 3, 3, 0]], atol=1e-6)
   # clipped: 2 of 6 agent tokens, dual: 1 of 6.
   np.testing.assert_allclose(metrics["clip_frac"], 2 / 6, atol=1e-6)
@@ -52,9 +52,8 @@ def test_ppo_clip_golden():
   # approx_kl = mean(-log ratio) = -(0 + ln1.5 + ln.5 + ln.5 + ln4 + ln1.5)/6 = -ln(1.5)/3.
   np.testing.assert_allclose(metrics["approx_kl"], -math.log(1.5) / 3, atol=1e-6)
   # Without the dual clip the (4, -1) token keeps 4.
-  loss, metrics = POLICY_LOSSES["ppo_clip"](old + np.log(ratio), old, adv, mask,
-                                            clip_ratio_low=0.2, clip_ratio_high=0.28,
-                                            clip_ratio_c=None)
+  loss, metrics = ppo_clip(old + np.log(ratio), old, adv, mask, clip_ratio_low=0.2,
+                           clip_ratio_high=0.28, clip_ratio_c=None)
   np.testing.assert_allclose(loss[1, 1], 4.0, atol=1e-5)
   assert metrics["clip_frac_lower"] == 0
 
@@ -70,7 +69,7 @@ def test_value_loss_golden():
   old = np.array([[.8, .5, .5, 1, 1, 0.0]])
   ret = np.array([[2, 1.5, 0, 1, 4, 0.0]])
   mask = np.array([[1, 1, 1, 1, 1, 0]], bool)
-  loss, metrics = losses.value_loss(v, old, ret, mask, cliprange_value=0.5)
+  loss, metrics = jax.jit(losses.value_loss)(v, old, ret, mask, cliprange_value=0.5)
   np.testing.assert_allclose(loss, [[0.5, 0.125, 2.0, 0.5, 3.125, 0]], atol=1e-6)
   np.testing.assert_allclose(metrics["vf_clip_frac"], 1 / 5, atol=1e-6)
 
@@ -81,9 +80,9 @@ def test_entropy_golden():
                        [1000.0, 1000.0, -1000.0, -1000.0],  # huge logits: ln 2, no overflow
                        [math.log(3), 0.0, -jnp.inf, -jnp.inf]]])  # p = 3/4, 1/4
   h34 = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
-  np.testing.assert_allclose(losses.entropy_from_logits(logits),
+  np.testing.assert_allclose(jax.jit(losses.entropy_from_logits)(logits),
                              [[math.log(4), math.log(2), math.log(2), h34]], atol=1e-6)
-  grad = jax.grad(lambda z: losses.entropy_from_logits(z).sum())(logits)
+  grad = jax.jit(jax.grad(lambda z: losses.entropy_from_logits(z).sum()))(logits)
   assert np.isfinite(grad).all()
 
 
@@ -91,7 +90,7 @@ def test_entropy_matches_reference():
   z = np.random.default_rng(0).normal(scale=3.0, size=(3, 5, 11))
   p = np.exp(z - z.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
-  np.testing.assert_allclose(losses.entropy_from_logits(z.astype(np.float32)),
+  np.testing.assert_allclose(jax.jit(losses.entropy_from_logits)(z.astype(np.float32)),
                              -(p * np.log(p)).sum(-1), atol=1e-5)
 
 
@@ -114,7 +113,7 @@ def test_kl_in_reward_golden():
   logp = np.array([[-1.0, -2.0, -3.0, -0.5]])
   ref = np.array([[-1.2, -1.6, -4.0, -1.1]])
   mask = np.array([[1, 1, 0, 1]], bool)
-  new, kl = losses.kl_in_reward(rewards, logp, ref, mask, beta=0.5)
+  new, kl = jax.jit(losses.kl_in_reward)(rewards, logp, ref, mask, beta=0.5)
   np.testing.assert_allclose(kl, [[0.2, -0.4, 0.0, 0.6]], atol=1e-6)
   np.testing.assert_allclose(new, [[-0.1, 0.2, 0.0, 1.0 - 0.3]], atol=1e-6)
 
@@ -156,8 +155,8 @@ def test_ppo_clip_and_value_loss_match_loop():
     ratio = math.exp(logp[b, t] - old[b, t])
     loss = max(-adv[b, t] * ratio, -adv[b, t] * min(max(ratio, 1 - lo), 1 + hi))
     want[b, t] = min(loss, -adv[b, t] * c) if adv[b, t] < 0 else loss
-  got, _ = losses.ppo_clip(logp, old, adv, mask, clip_ratio_low=lo, clip_ratio_high=hi,
-                           clip_ratio_c=c)
+  got, _ = jax.jit(losses.ppo_clip)(logp, old, adv, mask, clip_ratio_low=lo,
+                                    clip_ratio_high=hi, clip_ratio_c=c)
   np.testing.assert_allclose(got, want, atol=1e-6)
 
   v, v_old, ret = (rng.normal(size=mask.shape) for _ in range(3))
@@ -165,7 +164,7 @@ def test_ppo_clip_and_value_loss_match_loop():
   for b, t in zip(*np.nonzero(mask)):
     clipped = min(max(v[b, t], v_old[b, t] - 0.3), v_old[b, t] + 0.3)
     want[b, t] = 0.5 * max((v[b, t] - ret[b, t]) ** 2, (clipped - ret[b, t]) ** 2)
-  got, _ = losses.value_loss(v, v_old, ret, mask, cliprange_value=0.3)
+  got, _ = jax.jit(losses.value_loss)(v, v_old, ret, mask, cliprange_value=0.3)
   np.testing.assert_allclose(got, want, atol=1e-6)
 
 
@@ -272,8 +271,8 @@ def test_all_masked_gives_zeros():
   rng = np.random.default_rng(5)
   a, b, c = (rng.normal(size=(3, 7)) for _ in range(3))
   mask = np.zeros((3, 7), bool)
-  pg, metrics = losses.ppo_clip(a, b, c, mask)
-  vf, vf_metrics = losses.value_loss(a, b, c, mask)
+  pg, metrics = jax.jit(losses.ppo_clip)(a, b, c, mask)
+  vf, vf_metrics = jax.jit(losses.value_loss)(a, b, c, mask)
   np.testing.assert_array_equal(pg, 0)
   np.testing.assert_array_equal(vf, 0)
   for value in [*metrics.values(), *vf_metrics.values()]:

@@ -1,4 +1,4 @@
-"""Each paper experiment's `runlocal` variant trains, checkpoints, resumes and evaluates via the CLI.
+"""Each paper experiment's `runlocal` variant trains, checkpoints, resumes, evaluates (CLI).
 
 Slow (about 1.5-4 minutes per environment on a free 2-core CPU; ScienceWorld starts JVMs):
 run with `pytest -m slow tests/test_runlocal.py`.
@@ -15,7 +15,13 @@ import time
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENVS = ["textcraft", "babyai", "sciworld", "searchqa", "webarena"]
+ENVS = ["textcraft", "babyai", "sciworld", "searchqa",
+        pytest.param("webarena", marks=pytest.mark.xfail(
+            strict=True, raises=AssertionError,
+            reason="the trainer reads task ids with environments.task_splits(config.env.name), "
+                   "which has no splits for 'remote' (neither a served local env's nor "
+                   "WebArena's); remove this mark once remote task ids are configurable"))]
+IDS = ["textcraft", "babyai", "sciworld", "searchqa", "webarena"]
 
 
 def _env():
@@ -72,7 +78,7 @@ def _steps(workdir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("extra_flags", ENVS, indirect=True, ids=ENVS)
+@pytest.mark.parametrize("extra_flags", ENVS, indirect=True, ids=IDS)
 def test_runlocal_trains_resumes_and_evaluates(extra_flags, tmp_path, request):
   env = request.node.callspec.id
   config = f"experiments/agentgym_rl/{env}.py:runlocal,schedule=scaling_inter"
@@ -103,3 +109,37 @@ def test_runlocal_trains_resumes_and_evaluates(extra_flags, tmp_path, request):
   assert all(len(task["scores"]) == 2 for task in report["tasks"])
   assert len((out / "episodes_test.jsonl").read_text().splitlines()) == 4
   assert "| run step 2 (Pass@2) |" in result.stdout
+
+
+def test_evaluate_cli_on_an_hf_checkpoint(tmp_path):
+  """The CLI's wiring (flags, defaults from the config, report files) on a tiny HF directory."""
+  from flax import nnx
+  from agentgym_jax.models import Decoder, ModelConfig, save_hf
+  from agentgym_jax.tokenization import ChatTokenizer
+  tok = ChatTokenizer.train_bpe(["Craft the goal. Action: get 1 oak log. Thought:"] * 4,
+                                vocab_size=300)
+  cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                    max_position_embeddings=4096)
+  hf_dir = tmp_path / "tiny_hf"
+  save_hf(Decoder(cfg, rngs=nnx.Rngs(0)), hf_dir)
+  tok.save_pretrained(str(hf_dir))
+  out = tmp_path / "eval"
+  config = "experiments/agentgym_rl/textcraft.py:runlocal"
+  result = _run(["-m", "agentgym_jax.evaluate", f"--config={config}", f"--hf_model={hf_dir}",
+                 "--split=test", "--num_tasks=2", "--num_samples=2", "--max_turns=1",
+                 "--max_reply_tokens=4", "--temperature=0", "--label=tiny", f"--output={out}",
+                 "--config.rollout.max_context=4096"], timeout=600)
+  report = json.loads((out / "eval_test.json").read_text())
+  assert report["settings"]["max_turns"] == 1 and report["settings"]["temperature"] == 0.0
+  assert report["settings"]["max_context"] == 4096  # a --config.* override reached the run
+  assert [t["task_id"] for t in report["tasks"]] == [0, 1]  # the first 2 test goals
+  assert all(t["category"] == "depth1" for t in report["tasks"])
+  assert all(t["num_turns"] == [1, 1] for t in report["tasks"])
+  assert list(report["metrics"]) == ["Depth 1", "Overall"]
+  assert "| tiny (Pass@2) |" in result.stdout
+  both = subprocess.run([sys.executable, "-m", "agentgym_jax.evaluate", f"--config={config}",
+                         f"--hf_model={hf_dir}", f"--checkpoint={tmp_path}",
+                         f"--output={out}"], cwd=ROOT, env=_env(), capture_output=True,
+                        text=True, timeout=300, check=False)
+  assert both.returncode != 0 and "exactly one of --checkpoint" in both.stderr

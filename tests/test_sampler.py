@@ -8,7 +8,7 @@ from flax import nnx
 
 from agentgym_jax.models import Decoder, KVCache, ModelConfig
 from agentgym_jax.rollout import sampler
-from agentgym_jax.rollout.sampler import SamplingConfig
+from agentgym_jax.rollout.sampler import DecodeCache, SamplingConfig
 
 VOCAB = 97
 CFG = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -32,7 +32,7 @@ def _prefill(model, prompts, max_len=64):
   tokens = np.zeros((len(prompts), sampler.chunk_bucket(lens.max())), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
-  cache = KVCache.init(CFG, len(prompts), max_len)
+  cache = DecodeCache.init(CFG, len(prompts), max_len)
   logits = jnp.zeros((len(prompts), VOCAB))
   return sampler.extend(graphdef, state, cache, logits, tokens, lens)
 
@@ -149,7 +149,7 @@ def test_extend_in_pieces_equals_one_chunk(model):
   graphdef, state = nnx.split(model)
   cache_a, logits_a = _prefill(model, PROMPTS)
   # Same prompts, first 3 tokens then the rest; row 2 (one token) is done after piece one.
-  cache_b = KVCache.init(CFG, 4, 64)
+  cache_b = DecodeCache.init(CFG, 4, 64)
   logits_b = jnp.zeros((4, VOCAB))
   for lo, hi in ((0, 3), (3, 16)):
     pieces = [p[lo:hi] for p in PROMPTS]
@@ -160,6 +160,22 @@ def test_extend_in_pieces_equals_one_chunk(model):
                                        np.asarray([len(p) for p in pieces], np.int32))
   np.testing.assert_array_equal(cache_a.lengths, cache_b.lengths)
   np.testing.assert_allclose(logits_a, logits_b, atol=1e-5)
+
+
+def test_decode_cache_matches_model_extend(model):
+  """The sampler's per-layer cache computes what the model's own `extend` computes."""
+  graphdef, state = nnx.split(model)
+  tokens = np.asarray([[5, 17, 3, 9, 0, 0], [11, 2, 40, 41, 42, 43]], np.int32)
+  num_new = np.asarray([4, 6], np.int32)
+  ref_cache = KVCache.init(CFG, 2, 32)
+  cache = DecodeCache.init(CFG, 2, 32)
+  for chunk, n in ((tokens, num_new), (tokens[:, 1:4], np.asarray([3, 1], np.int32))):
+    ref_logits, ref_cache = model.extend(jnp.asarray(chunk), jnp.asarray(n), ref_cache)
+    hidden, cache = sampler.forward_cached(model, jnp.asarray(chunk), jnp.asarray(n), cache)
+    np.testing.assert_allclose(model.logits_from_hidden(hidden), ref_logits, atol=1e-5)
+  np.testing.assert_array_equal(cache.lengths, ref_cache.lengths)
+  for layer in range(CFG.num_layers):
+    np.testing.assert_allclose(cache.k[layer], ref_cache.k[layer], atol=1e-6)
 
 
 def test_chunk_bucket():

@@ -3,7 +3,8 @@
 `CounterEnv` task N asks the agent to count up to `N % 5 + 1` with `inc`; a few magic actions
 make a step misbehave on purpose: `sleep S` blocks for S seconds, `crash` kills the process
 with `os._exit`, `raise` raises inside the step, `pid` reports the hosting process id, and
-`spawn` starts a long-lived child process (as ScienceWorld starts a JVM) and reports its pid.
+`spawn` starts a long-lived child process (as ScienceWorld starts a JVM) and reports its pid,
+and `unpicklable` puts a lambda into the step's info.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class CounterEnv(TextEnv):
       raise RuntimeError("CounterEnv was told to raise.")
     if action == "pid":
       return f"pid {os.getpid()}", 0.0, False, False, {}
+    if action == "unpicklable":
+      return "Odd info.", 0.0, False, False, {"callback": lambda: None}
     if action == "spawn":
       child = subprocess.Popen(["sleep", "300"])
       return f"pid {child.pid}", 0.0, False, False, {}
@@ -74,3 +77,11 @@ class BacktickCounterEnv(CounterEnv):
   def _step(self, action: str):
     match = re.search(r"```(.*?)```", action, re.DOTALL)
     return super()._step(match.group(1).strip() if match else "")
+
+
+class SlowStartCounterEnv(CounterEnv):
+  """`CounterEnv` whose construction takes a second, as a simulator that boots a JVM."""
+
+  def __init__(self, reward_mode: str = "normalized"):
+    time.sleep(1.0)
+    super().__init__(reward_mode)

@@ -27,7 +27,7 @@ Every estimator has the same signature, so the trainer calls `ESTIMATORS[name](.
      float32 (float64 when the inputs are float64).
 
 Scalars may be Python floats or traced arrays: new values never recompile. Shapes are checked at
-trace time. All functions are jitted; called inside another jit they are inlined.
+trace time. The estimators are jitted; called inside another jit they are inlined.
 
 Semantics follow verl (`verl/trainer/ppo/core_algos.py`) with two deliberate differences, both
 about multi-turn layouts: (1) `reinforce_plus_plus` carries the return through observation tokens
@@ -205,7 +205,9 @@ def gae(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=1
   `lax.platform_dependent` picks the recursion's implementation when lowering: one reverse
   `lax.scan` on CPU, two log-depth associative scans on accelerators (same values).
 
-  Args: see the module docstring; `values` [B, L] is required.
+  Args: see the module docstring; `values` [B, L] is required, aligned with the tokens like
+    log-probabilities: values[b, t] is V of the state in which token t is sampled (for a causal
+    critic, its output at position t - 1), over the same L positions as rewards and mask.
   Returns: (advantages [B, L], returns [B, L]), 0 where mask is 0.
   """
   rewards, mask, values, _ = _prepare("gae", rewards, mask, values, None, need_values=True)

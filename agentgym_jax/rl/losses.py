@@ -23,6 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from agentgym_jax.rl.advantages import masked_mean
 from agentgym_jax.rl.registry import Registry
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
@@ -47,12 +48,6 @@ def _float(x) -> jax.Array:
   """As an array of at least float32 precision (bfloat16 -> float32, float64 stays)."""
   x = jnp.asarray(x)
   return x.astype(jnp.result_type(x.dtype, jnp.float32))
-
-
-def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-  """Mean of x over mask (bool [B, L]) -> scalar; 0 for an empty mask."""
-  total = jnp.sum(jnp.where(mask, _float(x), 0.0))
-  return total / jnp.maximum(jnp.sum(mask, dtype=total.dtype), 1.0)
 
 
 def _is_concrete(x) -> bool:
@@ -97,14 +92,14 @@ def ppo_clip(log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.Array
   loss1 = -advantages * ratio
   loss2 = -advantages * jnp.clip(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
   loss = jnp.maximum(loss1, loss2)
-  metrics = {"clip_frac": _masked_mean(loss2 > loss1, mask),
-             "approx_kl": _masked_mean(-log_ratio, mask)}
+  metrics = {"clip_frac": masked_mean(loss2 > loss1, mask),
+             "approx_kl": masked_mean(-log_ratio, mask)}
   if clip_ratio_c is None:
     metrics["clip_frac_lower"] = jnp.zeros((), jnp.float32)
   else:
     loss3 = -advantages * clip_ratio_c
     dual = (advantages < 0) & (loss > loss3)
-    metrics["clip_frac_lower"] = _masked_mean(dual, mask)
+    metrics["clip_frac_lower"] = masked_mean(dual, mask)
     loss = jnp.where(advantages < 0, jnp.minimum(loss, loss3), loss)
   return jnp.where(mask, loss, 0.0), metrics
 
@@ -135,7 +130,7 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mas
   loss1 = jnp.square(values - returns)
   loss2 = jnp.square(clipped - returns)
   loss = 0.5 * jnp.maximum(loss1, loss2)
-  return jnp.where(mask, loss, 0.0), {"vf_clip_frac": _masked_mean(loss2 > loss1, mask)}
+  return jnp.where(mask, loss, 0.0), {"vf_clip_frac": masked_mean(loss2 > loss1, mask)}
 
 
 def entropy_from_logits(logits: jax.Array) -> jax.Array:

@@ -3,9 +3,9 @@
 Config data (`config.schedule`, a ConfigDict, a dict or any object with these attributes):
 
   kind = "fixed"           horizons = [H]              every step allows H turns
-  kind = "scaling_inter"   horizons = [h1 < h2 < ...]  ScalingInter-RL (AgentGym-RL paper, §4 of
-                           steps_per_phase = Δ         the reference notes): phase p = step // Δ
-                                                       allows h_{p+1} turns; the last one holds.
+  kind = "scaling_inter"   horizons = [h1 < h2 < ...]  ScalingInter-RL (AgentGym-RL, arXiv
+                           steps_per_phase = Δ         2509.08755): phase p = step // Δ allows
+                                                       h_{p+1} turns; the last one holds.
 
 `step` is the 0-based global training step about to run, i.e. the number of updates already
 done, which is what a checkpoint stores. Upstream counts steps from 1 (steps 1..Δ use h1); ours

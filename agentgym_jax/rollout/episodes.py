@@ -19,6 +19,7 @@ samples do not depend on which other episodes share the batch or on compaction.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import time
 from collections.abc import Sequence
@@ -30,9 +31,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from agentgym_jax.models import KVCache
+from agentgym_jax import sharding
 from agentgym_jax.rollout import sampler
-from agentgym_jax.rollout.sampler import SamplingConfig
+from agentgym_jax.rollout.sampler import DecodeCache, SamplingConfig
 from agentgym_jax.rollout.trajectory import Episode, Trajectory, build_trajectory
 from agentgym_jax.tokenization import ChatTokenizer
 
@@ -54,10 +55,10 @@ def _turn_keys(keys: jax.Array, turn: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _take_rows(cache: KVCache, logits: jax.Array, rows: jax.Array) -> tuple[KVCache, jax.Array]:
-  """Gathers cache rows `rows` [B'] (compaction)."""
-  return (KVCache(k=cache.k[:, rows], v=cache.v[:, rows], lengths=cache.lengths[rows]),
-          logits[rows])
+def _take_rows(cache: DecodeCache, logits: jax.Array, rows: jax.Array
+               ) -> tuple[DecodeCache, jax.Array]:
+  """Gathers rows `rows` [B'] of the cache and the pending logits (compaction)."""
+  return jax.tree.map(lambda x: x[rows], (cache, logits))
 
 
 class _Batch:
@@ -67,7 +68,7 @@ class _Batch:
                mesh: Mesh | None, cache_dtype):
     cfg = nnx.merge(graphdef, state).cfg
     self.graphdef, self.state, self.mesh = graphdef, state, mesh
-    self.cache = self._put(KVCache.init(cfg, rows, max_len, cache_dtype))
+    self.cache = self._put(DecodeCache.init(cfg, rows, max_len, cache_dtype))
     self.logits = self._put(jnp.zeros((rows, vocab), jnp.float32))
     self.episode_of_row = np.full((rows,), -1, np.int64)
 
@@ -76,19 +77,19 @@ class _Batch:
     return self.episode_of_row.shape[0]
 
   def _put(self, tree):
-    if self.mesh is None:
-      return tree
-    # Imported here so that a mesh-less rollout never touches the sharding helpers.
-    from agentgym_jax import sharding  # pylint: disable=import-outside-toplevel
+    # Every array here has the batch first: split it over the mesh's (data, fsdp) axes.
+    return tree if self.mesh is None else sharding.shard_batch(tree, self.mesh)
 
-    def put(x):
-      if x.ndim == 5:  # cache buffers [layers, B, kv_heads, S, head_dim]
-        return jax.device_put(x, sharding.cache_sharding(self.mesh, x.shape))
-      return sharding.shard_batch(x, self.mesh)
-    return jax.tree.map(put, tree)
+  def _mesh_context(self):
+    # Under the mesh the model pins its activations to the data-parallel plan.
+    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
-  def extend(self, chunks: list[list[int]], max_chunk: int, pad_id: int) -> None:
-    """Appends chunks[row] to every row (pieces of at most max_chunk tokens)."""
+  def extend(self, chunks: list[list[int]], starts: np.ndarray, max_chunk: int, pad_id: int
+             ) -> None:
+    """Appends chunks[row] to every row (pieces of at most max_chunk tokens).
+
+    `starts[row]` is how many tokens the row holds before (known on the host).
+    """
     offset = 0
     while True:
       pieces = [c[offset:offset + max_chunk] for c in chunks]
@@ -100,16 +101,23 @@ class _Batch:
       for row, piece in enumerate(pieces):
         tokens[row, :len(piece)] = piece
       num_new = np.asarray([len(p) for p in pieces], np.int32)
-      self.cache, self.logits = sampler.extend(
-          self.graphdef, self.state, self.cache, self.logits, self._put(tokens),
-          self._put(num_new))
+      # The window must hold every real token; padding and idle rows compute ignored values.
+      reach = int(np.max(np.where(num_new > 0, starts + offset + num_new, 0)))
+      window = sampler.attention_window(reach, self.cache.max_len)
+      with self._mesh_context():
+        self.cache, self.logits = sampler.extend(
+            self.graphdef, self.state, self.cache, self.logits, self._put(tokens),
+            self._put(num_new), window)
       offset += max_chunk
 
-  def decode(self, active: np.ndarray, keys: jax.Array, caps: np.ndarray,
+  def decode(self, active: np.ndarray, keys: jax.Array, caps: np.ndarray, reach: int,
              end_ids: tuple[int, ...], sampling: SamplingConfig):
-    self.cache, tokens, logprobs, counts = sampler.decode(
-        self.graphdef, self.state, self.cache, self.logits, self._put(active), keys,
-        self._put(caps), end_ids, sampling)
+    """Samples a turn for the active rows; `reach` bounds every row's length afterwards."""
+    window = sampler.attention_window(reach, self.cache.max_len)
+    with self._mesh_context():
+      self.cache, tokens, logprobs, counts = sampler.decode(
+          self.graphdef, self.state, self.cache, self.logits, self._put(active),
+          self._put(keys), self._put(caps), end_ids, sampling, window)
     return jax.device_get((tokens, logprobs, counts))
 
   def compact(self, keep: np.ndarray, rows: int) -> None:
@@ -224,14 +232,15 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     active = np.asarray([ep >= 0 and running[ep] for ep in row_eps])
     chunks = [episodes[ep].tokens[in_cache[ep]:] if act else []
               for ep, act in zip(row_eps, active)]
-    batch.extend(chunks, max_chunk, tok.pad_id)
+    batch.extend(chunks, np.where(row_eps >= 0, in_cache[row_eps], 0), max_chunk, tok.pad_id)
     for ep, act in zip(row_eps, active):
       if act:
         in_cache[ep] = len(episodes[ep].tokens)
     # Rows without an episode reuse key 0; they are inactive and sample nothing.
     keys = _turn_keys(episode_keys[np.maximum(row_eps, 0)], jnp.int32(turn))
+    reach = int(max(in_cache[ep] for ep, act in zip(row_eps, active) if act)) + cap
     tokens, logprobs, counts = batch.decode(active, keys, np.full(batch.rows, cap, np.int32),
-                                            end_ids, sampling)
+                                            reach, end_ids, sampling)
 
     slots, responses = [], []
     for row, ep in enumerate(row_eps):

@@ -2,14 +2,18 @@
 
 The two compiled programs of a rollout:
 
-* `extend(graphdef, state, cache, logits, tokens, num_new)` appends a right-padded chunk
-  [B, T] to every row of the cache at that row's own fill level (prefill of the opening, or
-  the observation that follows a turn) and returns the next-token logits of each row. T is bucketed by the
-  caller (`chunk_bucket`), so a run compiles it a handful of times.
-* `decode(graphdef, state, cache, logits, active, keys, caps, end_ids, sampling)` samples one
-  agent turn for every active row inside ONE `lax.while_loop`: sample, feed the token back,
-  repeat until every row has produced an end-of-turn token or reached its cap. It compiles once
-  per (batch size, cache length, sampling config).
+* `extend(graphdef, state, cache, logits, tokens, num_new, window)` appends a right-padded
+  chunk [B, T] to every row of the cache at that row's own fill level (prefill of the opening,
+  or the observation that follows a turn) and returns the next-token logits of each row.
+* `decode(graphdef, state, cache, logits, active, keys, caps, end_ids, sampling, window)`
+  samples one agent turn for every active row inside ONE `lax.while_loop`: sample, feed the
+  token back, repeat until every row has produced an end-of-turn token or reached its cap.
+
+Static shapes: the caller buckets the chunk length T (`chunk_bucket`, powers of two) and the
+attention window (`attention_window`, powers of two >= 256 up to the cache length), so a run
+compiles each program a handful of times: once per (batch, T, window) and (batch, window,
+sampling config) that occurs. The window exists because decode on a small model is bound by
+reading the KV cache: rows holding 300 tokens should not read a 4096-slot buffer.
 
 Both donate the cache, so XLA updates it in place.
 
@@ -31,9 +35,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
-from agentgym_jax.models import KVCache
+from agentgym_jax import sharding
+from agentgym_jax.models import ModelConfig
+from agentgym_jax.models.decoder import attention, rope_tables
 
 _NEG_INF = -1e30
 
@@ -128,42 +134,127 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sampling: SamplingConfig
   return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
-def _last_logits(model, tokens: jax.Array, num_new: jax.Array, cache: KVCache
-                 ) -> tuple[jax.Array, KVCache]:
+@struct.dataclass
+class DecodeCache:
+  """The rollout's KV cache: one buffer per layer, rows filled independently.
+
+  `models.KVCache` stacks layers into one [layers, B, K, S, Dh] array; inside a decode loop
+  XLA:CPU then copies a whole layer slice out of the stacked buffer for every attention call.
+  Separate per-layer buffers are updated in place and read without copies: 2-4x faster decode
+  steps measured on the rollout benchmark's model (B 32, S 256-2048).
+
+  Attributes:
+    k, v: tuples of num_layers arrays [B, num_kv_heads, S, head_dim] (RoPE applied to k).
+    lengths: [B] int32, slots 0..lengths[b]-1 of row b hold real tokens.
+  """
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
+  lengths: jax.Array
+
+  @classmethod
+  def init(cls, cfg: ModelConfig, batch_size: int, max_len: int,
+           dtype: jnp.dtype = jnp.float32) -> DecodeCache:
+    """An empty cache of `max_len` slots per row."""
+    shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+               v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+               lengths=jnp.zeros((batch_size,), jnp.int32))
+
+  @property
+  def max_len(self) -> int:
+    return self.k[0].shape[2]
+
+  @property
+  def batch_size(self) -> int:
+    return self.k[0].shape[0]
+
+
+def _write(buf: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
+  """Writes new [B, T, K, Dh] into buf [B, K, S, Dh] at slots starts[b] + t (past S: dropped)."""
+  b, t = new.shape[:2]
+  rows = jnp.arange(b)[:, None]
+  slots = starts[:, None] + jnp.arange(t)[None, :]
+  return buf.at[rows, :, slots].set(new.astype(buf.dtype), mode="drop")
+
+
+def forward_cached(model, tokens: jax.Array, num_new: jax.Array, cache: DecodeCache,
+                   window: int | None = None) -> tuple[jax.Array, DecodeCache]:
+  """`Decoder.extend` over a DecodeCache: hidden states [B, T, D] and the updated cache.
+
+  Row b's tokens take positions lengths[b] + t and attend to slots <= their own; afterwards
+  lengths += num_new. Uses the decoder's own blocks, so it computes what `model.extend` does.
+  With `window`, attention reads only slots < window (the caller guarantees that every row's
+  lengths + T <= window): decode is bound by reading the cache, so a short context should not
+  pay for the whole buffer.
+  """
+  backbone = model.backbone
+  t = tokens.shape[1]
+  window = cache.max_len if window is None else min(window, cache.max_len)
+  starts = cache.lengths
+  positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  cos, sin = rope_tables(backbone.cfg, positions)
+  mask = jnp.arange(window)[None, None, :] <= positions[:, :, None]
+  x = sharding.constrain(backbone._embed(tokens), ("batch", None, None))  # pylint: disable=protected-access
+  ks, vs = [], []
+  for block, k_buf, v_buf in zip(backbone.layers, cache.k, cache.v):
+    q, k, v = block.project_qkv(x, cos, sin)
+    k_buf, v_buf = _write(k_buf, k, starts), _write(v_buf, v, starts)
+    out = attention(q, k_buf[:, :, :window].astype(q.dtype),
+                    v_buf[:, :, :window].astype(q.dtype), mask)
+    x = sharding.constrain(block.finish(x, out), ("batch", None, None))
+    ks.append(k_buf)
+    vs.append(v_buf)
+  cache = DecodeCache(k=tuple(ks), v=tuple(vs), lengths=starts + num_new.astype(jnp.int32))
+  return backbone.final_norm(x), cache
+
+
+def _last_logits(model, tokens: jax.Array, num_new: jax.Array, cache: DecodeCache,
+                 window: int | None) -> tuple[jax.Array, DecodeCache]:
   """Extends the cache; logits [B, V] at each row's last new token (only that row of hidden
   states goes through the LM head, which matters for 150k vocabularies)."""
-  hidden, cache = model.backbone.extend(tokens, num_new, cache)
+  hidden, cache = forward_cached(model, tokens, num_new, cache, window)
   last = jnp.maximum(num_new - 1, 0)
   h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)
   return model.logits_from_hidden(h)[:, 0], cache
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "logits"))
-def extend(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax.Array,
-           tokens: jax.Array, num_new: jax.Array) -> tuple[KVCache, jax.Array]:
+def attention_window(end: int, max_len: int, minimum: int = 256) -> int:
+  """Static attention window for rows that will hold at most `end` tokens: the next power of
+  two >= max(end, minimum), capped at the cache length. A run compiles once per window."""
+  return min(chunk_bucket(end, minimum), max_len)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "window"),
+                   donate_argnames=("cache", "logits"))
+def extend(graphdef: nnx.GraphDef, state: nnx.State, cache: DecodeCache, logits: jax.Array,
+           tokens: jax.Array, num_new: jax.Array, window: int | None = None
+           ) -> tuple[DecodeCache, jax.Array]:
   """Appends a chunk to each row of the cache.
 
   Args:
     graphdef, state: `nnx.split(decoder)`.
-    cache: KVCache with B rows (donated).
+    cache: DecodeCache with B rows (donated).
     logits: [B, V] float32, each row's current next-token logits (donated); kept for rows
       with num_new == 0, so a long chunk can be appended in several calls.
     tokens: [B, T] int32, right-padded; row b's first num_new[b] tokens are real.
     num_new: [B] int32 in 0..T (0: the row does not advance).
+    window: static; attend only to slots < window (every row's lengths + T must fit).
 
   Returns:
     The cache (lengths += num_new) and logits [B, V] float32 after each row's last token.
   """
   model = nnx.merge(graphdef, state)
-  new_logits, cache = _last_logits(model, tokens, num_new, cache)
+  new_logits, cache = _last_logits(model, tokens, num_new, cache, window)
   return cache, jnp.where((num_new > 0)[:, None], new_logits, logits)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "end_ids", "sampling"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "end_ids", "sampling", "window"),
                    donate_argnames=("cache",))
-def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax.Array,
+def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: DecodeCache, logits: jax.Array,
            active: jax.Array, keys: jax.Array, caps: jax.Array, end_ids: tuple[int, ...],
-           sampling: SamplingConfig) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
+           sampling: SamplingConfig, window: int | None = None
+           ) -> tuple[DecodeCache, jax.Array, jax.Array, jax.Array]:
   """Samples one agent turn for every active row, in one while loop.
 
   Step i draws token i of every unfinished row from its current logits with key
@@ -172,13 +263,14 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax
 
   Args:
     graphdef, state: `nnx.split(decoder)`.
-    cache: KVCache holding everything before `logits` except nothing pending (donated).
+    cache: DecodeCache holding everything before `logits` (donated).
     logits: [B, V] float32, next-token logits of each row (from `extend`).
     active: [B] bool, rows that sample a turn.
     keys: [B] typed PRNG keys, one per row for this turn.
     caps: [B] int32, per-row token cap, 1..sampling.max_reply_tokens.
     end_ids: end-of-turn token ids.
     sampling: the SamplingConfig (static).
+    window: static; attend only to slots < window (every row's lengths + its cap must fit).
 
   Returns:
     cache (the last sampled token of each row is not in it), tokens [B, N] int32,
@@ -210,7 +302,8 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax
 
   def body(carry):
     i, cache, tok, tokens, logprobs, counts, running = carry
-    step_logits, cache = _last_logits(model, tok[:, None], running.astype(jnp.int32), cache)
+    step_logits, cache = _last_logits(model, tok[:, None], running.astype(jnp.int32), cache,
+                                      window)
     tok, tokens, logprobs, counts, running = draw(i, step_logits, running, tokens, logprobs,
                                                   counts)
     return i + 1, cache, tok, tokens, logprobs, counts, running

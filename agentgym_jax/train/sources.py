@@ -32,24 +32,27 @@ _BPE_EXPERT_STEPS = 4
 
 
 def environment_texts(env_name: str, env_kwargs: dict, task_ids: list[int]) -> Iterator[str]:
-  """Instruction, acknowledgement, observations and expert actions of `task_ids`.
+  """The messages of expert-played episodes of `task_ids`, with their ChatML role headers.
 
-  The expert plays a few steps of each task so the corpus also holds the action grammar and
-  the observations that follow actions, i.e. what the agent reads and writes in rollouts.
+  The expert plays a few steps of each task, so the corpus holds what the agent reads and
+  writes in rollouts: instruction, acknowledgement, observations and actions. Each message
+  comes with its role line ("user\\n...", "assistant\\n..."), because a "bpe:" tokenizer
+  renders conversations with ChatML, whose role names are ordinary text worth a merge; the
+  special tokens themselves are left out (the trainer would split them into byte pieces).
   """
   env = environments.make(env_name, **env_kwargs)
   try:
-    yield env.instruction
-    yield env.acknowledgement
+    yield f"user\n{env.instruction}"
+    yield f"assistant\n{env.acknowledgement}"
     for task_id in task_ids:
       observation, info = env.reset(options={"task_id": task_id})
-      yield info.get("instruction", env.instruction)
-      yield observation
+      yield f"user\n{info.get('instruction', env.instruction)}"
+      yield f"user\n{observation}"
       for _ in range(_BPE_EXPERT_STEPS):
         action = env.format_action(env.expert_action())
-        yield action
+        yield f"assistant\n{action}"
         observation, _, terminated, truncated, _ = env.step(env.parse_action(action))
-        yield observation
+        yield f"user\n{observation}"
         if terminated or truncated:
           break
   finally:

@@ -38,15 +38,13 @@ import io
 from typing import Any
 
 import gymnasium
-import minigrid  # registers the BabyAI-* environments with gymnasium
+import minigrid  # noqa: F401  (registers the BabyAI-* environments with gymnasium)
 import numpy as np
 
 from environments.babyai import expert as expert_lib
 from environments.babyai import text
 from environments.base import (MULTIPLE_ACTIONS, MULTIPLE_ACTIONS_OBSERVATION, TextEnv,
                                parse_single_action)
-
-del minigrid
 
 # AgentGym's `all_levels`, in order (upstream keys 1..40 -> indices 0..39).
 LEVELS = (

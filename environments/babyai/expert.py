@@ -6,9 +6,10 @@ in step with the real level. Each turn the expert
 
   1. rolls the bot out on a copy of its bundle for up to `LOOKAHEAD` primitives, recording
      the state after each (agent pose, grid contents, carried object, instruction progress);
-  2. runs every available macro action on a copy of the real level (with the macro's
-     early-stop rule) and scores it by how far along the bot's rollout it lands: a macro that
-     completes the mission wins; otherwise the furthest rollout state it reproduces, where
+  2. runs each available macro aimed at a cell the bot will stand on or act on, on a copy of
+     the real level (with the macro's early-stop rule), and scores it by how far along the
+     bot's rollout it lands: a macro that completes the mission wins; otherwise the furthest
+     rollout state it reproduces, where
      the agent's direction (or, right after a pickup/drop/toggle, its position) may differ
      only if the bot's next primitive there is a move, because the bot's navigation replans
      from wherever the agent stands;
@@ -40,7 +41,7 @@ _DONE = 6  # minigrid's "done" action: the bot thinks the mission is complete
 class _State:
   pos: tuple[int, int]
   direction: int
-  contents: tuple  # grid encoding, carried object, instruction progress
+  contents: tuple  # objects in the grid, carried object, instruction progress
 
 
 def _progress(instr) -> tuple:
@@ -125,8 +126,8 @@ class Expert:
     if not primitives:
       return text.CHECK
     # Only macros aimed at a cell the bot will stand on, or at a cell it will act on (pick
-    # up, drop, toggle, or face at the end of the mission), can match; the rest are skipped
-    # without running them.
+    # up, drop, toggle, or face where the rollout ends), can match; the rest are skipped
+    # without running them (each run costs a copy of the level).
     poses = [(now.pos, now.direction)] + [(st.pos, st.direction) for st in states]
     positions = {pos for pos, _ in poses[1:]}
     targets = {_front(*poses[k]) for k, p in enumerate(primitives) if p not in _MOVES}

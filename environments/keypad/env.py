@@ -5,8 +5,11 @@ Task N has a code digit (drawn from N) and every observation shows it:
   Code: 7.
 
 The agent's action is the first digit anywhere in its reply; the right digit opens the lock
-(reward 1, success, episode over), a wrong one is answered `Wrong. Code: 7.`, a reply without
-a digit `No digit. Code: 7.`. After `max_steps` turns the episode is truncated.
+(success, episode over) with reward 1 / (turn number), a wrong one is answered
+`Wrong. Code: 7.`, a reply without a digit `No digit. Code: 7.`. After `max_steps` turns the
+episode is truncated. The reward falls with the turn so that reading the code beats guessing
+and retrying: with success alone as the reward, a policy that guesses among few codes and
+retries after "Wrong." is nearly as good as one that reads.
 
 Why it is shaped like this: a randomly initialised model samples nearly uniform tokens, so the
 reward must be reachable by chance but rarely. With a small byte-level vocabulary (~300 ids, of
@@ -34,7 +37,7 @@ class KeypadEnv(TextEnv):
   """One code digit per task; see the module docstring.
 
   Args:
-    reward_mode: "normalized" or "paper" (the same here: reward 1 on success, else 0).
+    reward_mode: "normalized" or "paper" (the same here: 1 / turn on success, else 0).
     max_steps: turns before the episode is truncated.
     codes: the digits codes are drawn from (fewer digits make the task easier).
   """
@@ -65,7 +68,8 @@ class KeypadEnv(TextEnv):
   def _step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
     self.steps += 1
     if action == self.code:
-      return "Unlocked.", 1.0, True, False, {"success": True, "score": 1.0}
+      reward = 1.0 / self.steps
+      return "Unlocked.", reward, True, False, {"success": True, "score": reward}
     head = "Wrong." if action else "No digit."
     truncated = self.steps >= self.max_steps
     return f"{head} Code: {self.code}.", 0.0, False, truncated, {"success": False, "score": 0.0}

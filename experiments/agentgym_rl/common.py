@@ -67,6 +67,7 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   c = base.base_config()
   # Reproducible runs: one seed for init, task order and sampling.
   c.seed = 0
+  # Trainer steps: the script row's (each file says where its number comes from).
   c.total_steps = s.total_steps
 
   # ----- model: Qwen2.5-{3B,7B}-Instruct straight from its HF checkpoint (no SFT) ----------
@@ -84,13 +85,16 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   c.tokenizer.spec = "model"
 
   # ----- data and rollout: the script row ----------------------------------------------------
+  # train_batch_size tasks per step, each sampled rollout.n times (the GRPO group).
   c.data.batch_tasks = s.batch_tasks
   c.data.group_size = s.group_size
+  # Training tasks come from the environment's train split; evaluation uses its test split.
   c.data.split = "train"
   # AgentGym-RL samples every turn at temperature 1.0, no nucleus/top-k truncation.
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
+  # rollout.max_tokens: a turn ends at end-of-turn or after this many tokens.
   c.rollout.max_reply_tokens = s.max_reply_tokens
   # Upstream caps the prompt and the response (all turns after it) separately; our cap is on
   # the whole episode, so it is their sum.
@@ -100,6 +104,8 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   c.env.system_prompt = ""
 
   # ----- horizon: fixed turn limit or ScalingInter-RL's schedule -----------------------------
+  # rounds_ctrl.type: "fixed" keeps horizons[0]; "scaling_inter" moves to the next horizon
+  # every steps_per_phase steps (steps 1..Δ use h1, as upstream's StepRoundsScheduler).
   c.schedule.kind = args.schedule
   c.schedule.horizons = s.horizons
   c.schedule.steps_per_phase = s.steps_per_phase
@@ -109,6 +115,7 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   # gamma = lam = 1 (verl's defaults in every script): outcome reward, no discounting.
   c.algo.gamma = 1.0
   c.algo.lam = 1.0
+  # GRPO divides by the group's std (upstream's default); no extra whitening on top.
   c.algo.norm_adv_by_std = True
   c.algo.whiten = False
   # Symmetric PPO clip 0.2, no dual clip (upstream actor defaults).
@@ -125,22 +132,27 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   # Upstream: micro-batch of one sequence, token-mean inside it, averaged over accumulation;
   # token-mean over the minibatch is the closest length-unbiased global equivalent.
   c.algo.loss_agg_mode = "token-mean"
+  # ppo_epochs passes over each batch, split into train_batch / ppo_mini_batch updates.
   c.algo.epochs = s.epochs
   c.algo.minibatches = s.batch_tasks // s.minibatch_tasks
   # Sized for a 16-chip slice: one row per chip per micro-batch, like upstream's
   # ppo_micro_batch_size_per_gpu=1 (the logits of one long row are already gigabytes). On
   # another slice use rows per minibatch / chips; the gradient does not change.
   c.algo.microbatches = max(1, s.batch_tasks * s.group_size // c.algo.minibatches // CHIPS)
+  # PPO only: the critic has its own optimiser, so the value loss is not rescaled.
   c.algo.value_coef = 1.0
   # verl's cliprange_value.
   c.algo.value_clip = 0.5
 
   # ----- optimiser: AdamW as upstream's actor/critic -------------------------------------------
+  # Actor lr 1e-6 in every script; verl's critic default 1e-5 (PPO only).
   c.optim.lr = 1e-6
   c.optim.critic_lr = 1e-5
+  # Constant learning rate, no warm-up (warmup ratio 0 upstream).
   c.optim.warmup_steps = 0
   c.optim.decay = "constant"
   c.optim.end_lr_fraction = 0.0
+  # AdamW betas, weight decay 0.01 and gradient-norm clip 1.0: verl's actor defaults.
   c.optim.b1 = 0.9
   c.optim.b2 = 0.999
   c.optim.weight_decay = 0.01
@@ -153,7 +165,9 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   # save_freq=25 in every script; eval scripts load global_step_150.
   c.checkpoint.every_steps = 25
   c.checkpoint.keep = 3
+  # The final policy as an HF directory: `evaluate --hf_model` and transformers read it.
   c.checkpoint.export_hf = True
+  # Metrics every step; no progress bar in pod logs (tee'd per host).
   c.log.every_steps = 1
   c.log.progress_bar = False
   # Held-out score every 50 steps on the whole test split, one sample per task at the paper's
@@ -175,6 +189,7 @@ def shrink_for_cpu(c: ml_collections.ConfigDict, args: ml_collections.ConfigDict
   exercise the schedule.
   """
   c.total_steps = 2
+  # A fresh 2-layer model (vocabulary: the tokenizer's) and a BPE trained on 8 tasks' texts.
   c.model.source = "random"
   c.model.path = ""
   c.model.arch = ml_collections.ConfigDict(base.TINY_ARCH)
@@ -182,6 +197,7 @@ def shrink_for_cpu(c: ml_collections.ConfigDict, args: ml_collections.ConfigDict
   c.model.remat = False
   c.tokenizer.spec = "bpe:512"
   c.tokenizer.bpe_tasks = 8
+  # 2 tasks x 2 samples per step, short turns and episodes.
   c.env.num_workers = 2
   c.data.batch_tasks = 2
   c.data.group_size = 2
@@ -194,9 +210,12 @@ def shrink_for_cpu(c: ml_collections.ConfigDict, args: ml_collections.ConfigDict
   # Tiny models need a real step size to move at all in two steps.
   c.optim.lr = 1e-4
   c.optim.critic_lr = 1e-4
+  # Whatever devices there are (one CPU on a laptop) hold the 4 rows data-parallel.
   c.mesh = (("data", -1), ("fsdp", 1), ("tensor", 1))
+  # A checkpoint every step, so a resumed run can be tested after step 1.
   c.checkpoint.every_steps = 1
   c.checkpoint.export_hf = True
+  # Evaluation is a separate command (launch/local.sh runs it on 2 test tasks).
   c.eval.every_steps = 0
   c.eval.num_tasks = 2
   c.eval.temperature = 1.0

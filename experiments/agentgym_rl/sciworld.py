@@ -1,4 +1,4 @@
-r"""AgentGym-RL on SciWorld: Qwen2.5-Instruct + GRPO, fixed 20 turns or ScalingInter-RL [10, 20, 30].
+r"""AgentGym-RL on SciWorld: Qwen2.5-Instruct + GRPO, fixed 20 turns or ScalingInter [10, 20, 30].
 
 Config arguments (`:k=v,...`, see common.py): schedule=fixed|scaling_inter, algo=grpo|ppo|
 reinforce_pp|rloo, model=3b|7b, runlocal. Needs Java >= 1.8 on every host (ScienceWorld).
@@ -23,9 +23,10 @@ paper's numbers are fractions of games, i.e. Pass@1 with "score > 0", the evalua
     (Measure 33.96, Test-Conductivity 55.42, Find 88.64, Chem-Mix 0, Lifespan 73.33)
   PPO, REINFORCE++ and RLOO: not reported for SciWorld.
 
-Sweeps (`python launch/sweep.py --config=experiments/agentgym_rl/sciworld.py:schedule=scaling_inter
---sweep=horizon|algo --workdir=...`): "horizon" trains fixed 10, fixed 30 and the [10, 20, 30]
-schedule on the ScalingInter row; "algo" runs GRPO, REINFORCE++, PPO and RLOO for 3B and 7B.
+Sweeps (`python launch/sweep.py --sweep=NAME --workdir=...
+  --config=experiments/agentgym_rl/sciworld.py:schedule=scaling_inter`):
+  horizon   fixed 10, fixed 30 and the [10, 20, 30] schedule, all on the ScalingInter row.
+  algo      GRPO, REINFORCE++, PPO and RLOO for 3B and 7B.
 """
 
 from experiments.agentgym_rl import common

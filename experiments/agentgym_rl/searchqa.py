@@ -25,8 +25,8 @@ Expected (paper, arXiv 2509.08755 Table 2, Deep Search test set, Overall %):
   Training curves (paper Fig. 7): fixed 10 turns peaks near reward 0.53 then collapses, fixed
   5 plateaus near 0.55, ScalingInter reaches about 0.62.
 
-Sweeps (`python launch/sweep.py --config=experiments/agentgym_rl/searchqa.py:schedule=scaling_inter
---sweep=NAME --workdir=...`):
+Sweeps (`python launch/sweep.py --sweep=NAME --workdir=...
+  --config=experiments/agentgym_rl/searchqa.py:schedule=scaling_inter`):
   horizon   fixed 5, fixed 10, [5, 8, 10] (paper Fig. 7).
   schedule  the schedule ablation of the paper's ICLR version (7B, Overall %): [5,8,10] every 75 /
             100 / 125 steps -> 37.8 / 38.3 / 38.5; [3,8,13] -> 36.8; [8,10,12] -> 37.6;

@@ -1,4 +1,4 @@
-r"""AgentGym-RL on TextCraft: Qwen2.5-Instruct + GRPO, fixed 30 turns or ScalingInter-RL [10, 20, 30].
+r"""AgentGym-RL on TextCraft: Qwen2.5-Instruct + GRPO, fixed 30 turns or ScalingInter [10, 20, 30].
 
 Config arguments (`:k=v,...`, see common.py): schedule=fixed|scaling_inter, algo=grpo|ppo|
 reinforce_pp|rloo, model=3b|7b, runlocal.
@@ -22,9 +22,10 @@ Expected (paper, arXiv 2509.08755 Table 3, TextCraft test set of 100 goals, Over
     (per crafting depth: 1: 100, 2: 97.56, 3: 76.00, 4: 33.33)
   algo=reinforce_pp (paper Table 6): 3B 28.00, 7B 73.00. PPO and RLOO: not reported.
 
-Sweeps (`python launch/sweep.py --config=experiments/agentgym_rl/textcraft.py:schedule=scaling_inter
---sweep=horizon|algo --workdir=...`): "horizon" trains fixed 10, fixed 30 and the [10, 20, 30]
-schedule on the ScalingInter row; "algo" runs GRPO, REINFORCE++, PPO and RLOO for 3B and 7B.
+Sweeps (`python launch/sweep.py --sweep=NAME --workdir=...
+  --config=experiments/agentgym_rl/textcraft.py:schedule=scaling_inter`):
+  horizon   fixed 10, fixed 30 and the [10, 20, 30] schedule, all on the ScalingInter row.
+  algo      GRPO, REINFORCE++, PPO and RLOO for 3B and 7B.
 """
 
 from experiments.agentgym_rl import common

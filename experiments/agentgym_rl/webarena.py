@@ -30,9 +30,10 @@ Expected (paper, arXiv 2509.08755 Table 1, WebArena subset of 50 tasks, Overall 
     (Shopping 33.33, CMS 26.67, Maps 20.00, GitLab+Reddit 20.00)
   PPO, REINFORCE++ and RLOO: not reported for WebArena.
 
-Sweeps (`python launch/sweep.py --config=experiments/agentgym_rl/webarena.py:schedule=scaling_inter
---sweep=horizon|algo --workdir=...`): "horizon" trains fixed 8, fixed 15 and the [8, 12, 15]
-schedule on the ScalingInter row; "algo" runs GRPO, REINFORCE++, PPO and RLOO for 3B and 7B.
+Sweeps (`python launch/sweep.py --sweep=NAME --workdir=...
+  --config=experiments/agentgym_rl/webarena.py:schedule=scaling_inter`):
+  horizon   fixed 8, fixed 15 and the [8, 12, 15] schedule, all on the ScalingInter row.
+  algo      GRPO, REINFORCE++, PPO and RLOO for 3B and 7B.
 """
 
 from experiments.agentgym_rl import common

@@ -1,0 +1,158 @@
+"""Forward+backward throughput of our Decoder vs the same model in transformers (PyTorch, CPU).
+
+For each size, one model is created in JAX, exported with `save_hf` and loaded by
+transformers, so both frameworks run the same architecture and weights on the same right-padded
+batch (masked next-token cross-entropy, gradients w.r.t. all parameters, no optimizer step).
+Rounds alternate between the two so that load from other processes hits both alike; the median
+round counts. Also reports our achieved FLOP/s as a fraction of a measured f32 matmul peak.
+
+    .venv/bin/python benchmarks/model_bench.py [--sizes 3M,30M] [--rounds 5] [--steps 3]
+
+Last line: `ratio: <jax tok/s / torch tok/s>` (the smaller over the sizes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from agentgym_jax.models import Decoder, ModelConfig, save_hf
+
+SIZES = {
+    # ~3.4M parameters, batch 16 x 256.
+    "3M": (ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=4,
+                       num_heads=4, num_kv_heads=2, tie_embeddings=True, model_type="llama"),
+           16, 256),
+    # ~29M parameters, batch 8 x 256.
+    "30M": (ModelConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536,
+                        num_layers=8, num_heads=8, num_kv_heads=4, tie_embeddings=True,
+                        model_type="llama"),
+            8, 256),
+}
+
+
+def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
+  """Best-of-`reps` f32 FLOP/s of a jitted n x n x n matmul."""
+  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+  f = jax.jit(lambda x: x @ x)
+  f(a).block_until_ready()
+  best = min(_timed(lambda: f(a).block_until_ready()) for _ in range(reps))
+  return 2 * n ** 3 / best
+
+
+def _timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def train_flops_per_step(cfg: ModelConfig, batch: int, length: int) -> float:
+  """6 x matmul parameters x tokens, plus attention scores and mixing (12 L T H Dh per token)."""
+  matmul_params = cfg.num_params - cfg.vocab_size * cfg.hidden_size  # the gather is free
+  matmul_params += cfg.vocab_size * cfg.hidden_size  # ...but the LM head is a matmul
+  per_token = 6 * matmul_params + 12 * cfg.num_layers * length * cfg.num_heads * cfg.head_dim
+  return per_token * batch * length
+
+
+def make_batch(cfg: ModelConfig, batch: int, length: int):
+  rng = np.random.RandomState(0)
+  tokens = rng.randint(0, cfg.vocab_size, (batch, length)).astype(np.int32)
+  lengths = rng.randint(length // 2, length + 1, batch)
+  valid = np.arange(length)[None] < lengths[:, None]
+  return tokens, valid
+
+
+def jax_step(model: Decoder):
+  """Returns (state, jitted fn(state, tokens, valid) -> (loss, grads))."""
+  graphdef, state = nnx.split(model)
+
+  def loss_fn(state, tokens, valid):
+    logits = nnx.merge(graphdef, state)(tokens, valid)
+    logp = jax.nn.log_softmax(logits[:, :-1])
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    mask = valid[:, 1:]
+    return jnp.sum(nll * mask) / jnp.sum(mask)
+
+  return state, jax.jit(jax.value_and_grad(loss_fn))
+
+
+def torch_step(model, torch):
+  def step(tokens, valid):
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=tokens, attention_mask=valid).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    nll = -logp.gather(-1, tokens[:, 1:, None])[..., 0]
+    mask = valid[:, 1:].float()
+    loss = (nll * mask).sum() / mask.sum()
+    loss.backward()
+    return loss.detach()
+  return step
+
+
+def bench_size(name: str, rounds: int, steps: int, peak: float, remat: bool) -> float:
+  import torch
+  import transformers
+
+  transformers.utils.logging.disable_progress_bar()
+
+  cfg, batch, length = SIZES[name]
+  cfg = dataclasses.replace(cfg, remat=remat)
+  model = nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))()
+  with tempfile.TemporaryDirectory() as tmp:
+    save_hf(model, tmp)
+    torch_model = transformers.AutoModelForCausalLM.from_pretrained(tmp).train()
+  tokens, valid = make_batch(cfg, batch, length)
+  state, jstep = jax_step(model)
+  jt, jv = jnp.asarray(tokens), jnp.asarray(valid)
+  tt, tv = torch.tensor(tokens, dtype=torch.long), torch.tensor(valid, dtype=torch.long)
+  tstep = torch_step(torch_model, torch)
+
+  jax_loss = float(jax.block_until_ready(jstep(state, jt, jv))[0])  # compile + warm up
+  torch_loss = float(tstep(tt, tv))
+  if abs(jax_loss - torch_loss) > 1e-3:
+    raise RuntimeError(f"losses differ: jax {jax_loss} vs torch {torch_loss}")
+
+  tokens_per_step = batch * length
+  jax_rates, torch_rates = [], []
+  for _ in range(rounds):
+    seconds = _timed(lambda: [jax.block_until_ready(jstep(state, jt, jv)) for _ in range(steps)])
+    jax_rates.append(steps * tokens_per_step / seconds)
+    seconds = _timed(lambda: [tstep(tt, tv) for _ in range(steps)])
+    torch_rates.append(steps * tokens_per_step / seconds)
+  jax_rate, torch_rate = statistics.median(jax_rates), statistics.median(torch_rates)
+  flops = train_flops_per_step(cfg, batch, length) * jax_rate / tokens_per_step
+  print(f"{name}: {cfg.num_params / 1e6:.1f}M params, batch {batch}x{length}, remat={remat}")
+  print(f"  jax   fwd+bwd tok/s median {jax_rate:9.0f}  (rounds {min(jax_rates):.0f}-"
+        f"{max(jax_rates):.0f})")
+  print(f"  torch fwd+bwd tok/s median {torch_rate:9.0f}  (rounds {min(torch_rates):.0f}-"
+        f"{max(torch_rates):.0f})")
+  print(f"  jax/torch {jax_rate / torch_rate:.2f}; jax {flops / 1e9:.0f} GFLOP/s = "
+        f"{flops / peak:.0%} of matmul peak", flush=True)
+  return jax_rate / torch_rate
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--sizes", default="3M,30M")
+  parser.add_argument("--rounds", type=int, default=5)
+  parser.add_argument("--steps", type=int, default=3)
+  parser.add_argument("--remat", action="store_true", help="recompute blocks in backward")
+  args = parser.parse_args()
+  peak = matmul_peak_flops()
+  print(f"f32 matmul peak (jax, 2048^3): {peak / 1e9:.0f} GFLOP/s; "
+        f"devices: {jax.devices()[0].platform} x {jax.device_count()}", flush=True)
+  ratios = [bench_size(n, args.rounds, args.steps, peak, args.remat)
+            for n in args.sizes.split(",")]
+  print(f"ratio: {min(ratios):.2f}")
+
+
+if __name__ == "__main__":
+  main()

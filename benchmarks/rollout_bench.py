@@ -1,0 +1,148 @@
+"""Multi-turn rollout: our cached JAX runner vs the upstream-style transformers loop.
+
+Workload: E episodes x T turns of the `scripted` environment (observations padded to ~64
+tokens), replies of up to R tokens sampled at temperature 1, one tiny random Llama-style model
+(2 layers, d 64) and a byte-level BPE tokenizer trained on the environment's text.
+
+* ours: `agentgym_jax.rollout.run_episodes`; the KV cache lives across turns, each turn appends
+  only the new observation (`extend`) and decodes inside one jitted while loop.
+* reference: the AgentGym-RL loop (verl's vllm_rollout with transformers in place of vLLM):
+  every turn re-renders the whole conversation with the chat template, re-tokenizes it
+  (left-padded batch) and calls `generate` on a `LlamaForCausalLM` holding the same weights.
+
+Both step the same environments through the same EnvPool and run once untimed first (JIT
+compilation, allocator warm-up). Prints tokens/s of each, their ratio, and each runner's
+turn-T / turn-1 time ratio; the last line is `ratio: <ours / reference tokens per second>`.
+
+    .venv/bin/python benchmarks/rollout_bench.py [--episodes 32 --turns 8 --reply 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import jax
+import numpy as np
+import torch
+import transformers
+from flax import nnx
+
+from agentgym_jax.models import Decoder, ModelConfig, save_hf
+from agentgym_jax.rollout import SamplingConfig, run_episodes
+from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT
+from agentgym_jax.tokenization import ChatTokenizer
+from environments.scripted.env import BOXES, INSTRUCTION
+from environments.workers import EnvPool
+
+
+def reference_rollout(hf_model, tok: ChatTokenizer, pool, task_ids, turns: int, reply: int
+                      ) -> tuple[int, list[float]]:
+  """Upstream style: re-template, re-tokenize and `generate` the whole conversation per turn.
+
+  Returns the number of sampled tokens and the wall time of each turn.
+  """
+  hf_tok = tok.hf
+  hf_tok.padding_side = "left"
+  outs = pool.reset(task_ids)
+  conversations = [[{"role": "user", "content": INSTRUCTION},
+                    {"role": "assistant", "content": DEFAULT_ACKNOWLEDGEMENT},
+                    {"role": "user", "content": out.observation}] for out in outs]
+  sampled, turn_seconds = 0, []
+  for _ in range(turns):
+    start = time.perf_counter()
+    texts = [hf_tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+             for c in conversations]
+    batch = hf_tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.inference_mode():
+      out = hf_model.generate(**batch, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                              max_new_tokens=reply, eos_token_id=list(tok.end_of_turn_ids),
+                              pad_token_id=tok.pad_id)
+    new = out[:, batch["input_ids"].shape[1]:].tolist()
+    replies = []
+    for ids in new:
+      n = next((i + 1 for i, t in enumerate(ids) if t in tok.end_of_turn_ids), len(ids))
+      sampled += n
+      replies.append(hf_tok.decode(ids[:n], skip_special_tokens=True))
+    steps = pool.step(list(range(len(conversations))), replies)
+    for c, r, o in zip(conversations, replies, steps):
+      c += [{"role": "assistant", "content": r}, {"role": "user", "content": o.observation}]
+    turn_seconds.append(time.perf_counter() - start)
+  return sampled, turn_seconds
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--episodes", type=int, default=32)
+  parser.add_argument("--turns", type=int, default=8)
+  parser.add_argument("--reply", type=int, default=32, help="max tokens per reply")
+  parser.add_argument("--filler", type=int, default=7,
+                      help="filler words per observation (7 gives ~64 tokens)")
+  args = parser.parse_args()
+
+  corpus = [INSTRUCTION, " ".join(BOXES), "the room is quiet and the light is dim"] * 20
+  tok = ChatTokenizer.train_bpe(corpus, vocab_size=512)
+  cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                    num_layers=2, num_heads=4, num_kv_heads=2, rope_theta=10000.0,
+                    rms_norm_eps=1e-6, tie_embeddings=True, model_type="llama")
+  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  graphdef, state = nnx.split(model)
+  with tempfile.TemporaryDirectory() as tmp:
+    save_hf(model, tmp)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+  hf_model.eval()
+
+  task_ids = list(range(args.episodes))
+  env_kwargs = dict(max_steps=10 * args.turns, filler_words=args.filler)
+  sampling = SamplingConfig(temperature=1.0, max_reply_tokens=args.reply)
+  with EnvPool("scripted", num_workers=1, env_kwargs=env_kwargs) as pool:
+    obs = pool.reset([0])[0].observation
+    print(f"observation: {len(tok.encode_observation(obs))} tokens; "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads)")
+    # Room for every turn's reply and observation, rounded up; the runner's cache is this long.
+    obs_tokens = len(tok.encode_observation(obs))
+    need = len(tok.encode_opening([{"role": "user", "content": INSTRUCTION},
+                                   {"role": "assistant", "content": DEFAULT_ACKNOWLEDGEMENT},
+                                   {"role": "user", "content": obs}]))
+    need += args.turns * (args.reply + 1 + obs_tokens + 16) + args.reply
+    max_context = -(-need // 128) * 128
+
+    def ours(seed):
+      start = time.perf_counter()
+      traj, stats = run_episodes(graphdef, state, tok, pool, task_ids, max_turns=args.turns,
+                                 sampling=sampling, max_context=max_context, rng=seed,
+                                 system_prompt=None)
+      seconds = time.perf_counter() - start
+      assert (traj.num_turns == args.turns).all(), "episodes ended early; use more max_steps"
+      return stats["rollout/sampled_tokens"], seconds, stats["turn_seconds"]
+
+    start = time.perf_counter()
+    ours(0)
+    print(f"ours: first run (incl. compilation) {time.perf_counter() - start:.1f} s")
+    ours_tokens, ours_seconds, ours_turns = ours(1)
+
+    torch.manual_seed(0)
+    reference_rollout(hf_model, tok, pool, task_ids, 1, args.reply)  # warm-up
+    start = time.perf_counter()
+    ref_tokens, ref_turns = reference_rollout(hf_model, tok, pool, task_ids, args.turns,
+                                              args.reply)
+    ref_seconds = time.perf_counter() - start
+
+  ours_tps, ref_tps = ours_tokens / ours_seconds, ref_tokens / ref_seconds
+  print(f"workload: {args.episodes} episodes x {args.turns} turns x <= {args.reply} tokens")
+  for name, tokens, seconds, turns, tps in (
+      ("ours", ours_tokens, ours_seconds, ours_turns, ours_tps),
+      ("reference (transformers generate, re-encode per turn)", ref_tokens, ref_seconds,
+       ref_turns, ref_tps)):
+    print(f"{name}: {tokens} tokens in {seconds:.2f} s = {tps:.0f} tokens/s; turn 1 "
+          f"{turns[0] * 1e3:.0f} ms, turn {len(turns)} {turns[-1] * 1e3:.0f} ms "
+          f"(turn {len(turns)}/turn 1 = {turns[-1] / turns[0]:.2f})")
+  print(f"ratio: {ours_tps / ref_tps:.2f}")
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+  main()
