@@ -190,6 +190,10 @@ def maybe_initialize_distributed() -> bool:
     return False
   kwargs = {}
   if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    missing = [v for v in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if v not in os.environ]
+    if missing:
+      raise ValueError(f"JAX_COORDINATOR_ADDRESS is set but {missing} are not; set all three "
+                       "on every host.")
     kwargs = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
                   num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
                   process_id=int(os.environ["JAX_PROCESS_ID"]))

@@ -135,3 +135,10 @@ def test_maybe_initialize_distributed_is_a_no_op_on_one_host(monkeypatch):
   monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
   monkeypatch.setenv("SLURM_NTASKS", "4")
   assert sharding.maybe_initialize_distributed() is True and calls == [{}]
+
+
+def test_explicit_coordinator_needs_process_count(monkeypatch):
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
+  with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
+    sharding.maybe_initialize_distributed()

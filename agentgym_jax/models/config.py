@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-# model_type -> (q/k/v bias default, has q/k norm)
+# model_type -> (q/k/v biases, q/k RMSNorm)
 _FAMILIES = {
     "qwen2": (True, False),
     "qwen3": (False, True),
@@ -176,8 +176,7 @@ class ModelConfig:
         rope_scaling=scaling,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=bool(hf.get("attention_bias", default_bias)) if model_type != "qwen2"
-        else True,
+        qkv_bias=default_bias,  # other bias layouts are rejected above
         qk_norm=qk_norm,
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         model_type=model_type,

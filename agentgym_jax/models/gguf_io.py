@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -123,10 +124,13 @@ def gguf_tokenizer_dir(gguf_path: str, cache_dir: str | None = None) -> str:
   if not os.path.exists(os.path.join(out, "tokenizer.json")):
     tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
                                         gguf_file=os.path.basename(gguf_path))
+    os.makedirs(root, exist_ok=True)
     tmp = f"{out}.tmp{os.getpid()}"
     tok.save_pretrained(tmp)
-    os.makedirs(root, exist_ok=True)
-    os.replace(tmp, out)  # atomic: a concurrent loader sees all files or none
+    try:
+      os.replace(tmp, out)  # atomic: a concurrent loader sees all files or none
+    except OSError:  # another process finished first; its copy is identical
+      shutil.rmtree(tmp, ignore_errors=True)
   return out
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from agentgym_jax import sharding as sharding_lib
@@ -100,10 +101,17 @@ def hf_param_plan(cfg: ModelConfig) -> dict[tuple, tuple[tuple[str, ...], Callab
   return plan
 
 
+def _host_copy(x: jax.Array) -> np.ndarray:
+  # On several hosts a sharded parameter is gathered first; every process gets all of it.
+  if not x.is_fully_addressable:
+    x = multihost_utils.process_allgather(x, tiled=True)
+  return np.asarray(jax.device_get(x))
+
+
 def to_hf_tensors(model: Decoder) -> Iterator[tuple[str, np.ndarray]]:
   """Yields (HF name, numpy array) for every tensor of `model`, in HF layout."""
   cfg = model.cfg
-  flat = {tuple(path): np.asarray(jax.device_get(var[...]))
+  flat = {tuple(path): _host_copy(var[...])
           for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
   for path, (names, _) in hf_param_plan(cfg).items():
     value = flat[path]

@@ -1,6 +1,7 @@
 """Multi-turn episode runner: B tasks x n samples against an environment pool, one KV cache.
 
-Each episode is one row of a KV cache that lives for the whole rollout. A turn is two compiled
+Each episode is one row of a KV cache that lives for the whole rollout (padded to the next
+power-of-two length when the longest row needs it). A turn is two compiled
 calls for all active rows together: `extend` appends what is new since the row's last turn
 (its previous reply's last token, the observation chunk, or the whole opening at turn 0), then
 `decode` samples the reply. Nothing is ever re-encoded: the trajectory's tokens are the opening,
@@ -64,12 +65,12 @@ def _take_rows(cache: DecodeCache, logits: jax.Array, rows: jax.Array
 class _Batch:
   """The device-side state: KV cache rows, their episodes and the pending logits."""
 
-  def __init__(self, graphdef, state, rows: int, max_len: int, vocab: int,
-               mesh: Mesh | None, cache_dtype):
+  def __init__(self, graphdef, state, rows: int, limit: int, mesh: Mesh | None, cache_dtype):
     cfg = nnx.merge(graphdef, state).cfg
-    self.graphdef, self.state, self.mesh = graphdef, state, mesh
-    self.cache = self._put(DecodeCache.init(cfg, rows, max_len, cache_dtype))
-    self.logits = self._put(jnp.zeros((rows, vocab), jnp.float32))
+    self.graphdef, self.state, self.mesh, self.limit = graphdef, state, mesh, limit
+    self.cache = self._put(DecodeCache.init(cfg, rows, sampler.cache_bucket(0, limit),
+                                            cache_dtype))
+    self.logits = self._put(jnp.zeros((rows, cfg.vocab_size), jnp.float32))
     self.episode_of_row = np.full((rows,), -1, np.int64)
 
   @property
@@ -83,6 +84,11 @@ class _Batch:
   def _mesh_context(self):
     # Under the mesh the model pins its activations to the data-parallel plan.
     return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
+
+  def _fit(self, reach: int) -> None:
+    """Grows the cache to the bucket that holds `reach` tokens per row."""
+    if reach > self.cache.max_len:
+      self.cache = self._put(self.cache.grow(sampler.cache_bucket(reach, self.limit)))
 
   def extend(self, chunks: list[list[int]], starts: np.ndarray, max_chunk: int, pad_id: int
              ) -> None:
@@ -101,23 +107,22 @@ class _Batch:
       for row, piece in enumerate(pieces):
         tokens[row, :len(piece)] = piece
       num_new = np.asarray([len(p) for p in pieces], np.int32)
-      # The window must hold every real token; padding and idle rows compute ignored values.
-      reach = int(np.max(np.where(num_new > 0, starts + offset + num_new, 0)))
-      window = sampler.attention_window(reach, self.cache.max_len)
+      # Real tokens must fit; padding past the end of the cache is dropped.
+      self._fit(int(np.max(np.where(num_new > 0, starts + offset + num_new, 0))))
       with self._mesh_context():
         self.cache, self.logits = sampler.extend(
             self.graphdef, self.state, self.cache, self.logits, self._put(tokens),
-            self._put(num_new), window)
+            self._put(num_new))
       offset += max_chunk
 
   def decode(self, active: np.ndarray, keys: jax.Array, caps: np.ndarray, reach: int,
              end_ids: tuple[int, ...], sampling: SamplingConfig):
     """Samples a turn for the active rows; `reach` bounds every row's length afterwards."""
-    window = sampler.attention_window(reach, self.cache.max_len)
+    self._fit(reach)
     with self._mesh_context():
       self.cache, tokens, logprobs, counts = sampler.decode(
           self.graphdef, self.state, self.cache, self.logits, self._put(active),
-          self._put(keys), self._put(caps), end_ids, sampling, window)
+          self._put(keys), self._put(caps), end_ids, sampling)
     return jax.device_get((tokens, logprobs, counts))
 
   def compact(self, keep: np.ndarray, rows: int) -> None:
@@ -208,9 +213,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
 
   shards = 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp"))
   rows = -(-num // shards) * shards
-  max_len = -(-max_context // 128) * 128
-  state_vocab = nnx.merge(graphdef, state).cfg.vocab_size
-  batch = _Batch(graphdef, state, rows, max_len, state_vocab, mesh, cache_dtype)
+  batch = _Batch(graphdef, state, rows, -(-max_context // 128) * 128, mesh, cache_dtype)
   batch.episode_of_row[:num] = np.arange(num)
   episode_keys = jax.random.split(key, num)
   in_cache = np.zeros(num, np.int64)  # tokens of each episode already in its cache row
