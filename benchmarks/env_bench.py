@@ -10,8 +10,9 @@ give steps per second. Then the median latency of one `/step` over loopback HTTP
 (`RemoteEnv` against `environments.server`) beside the in-process step time.
 
 Reference: the in-process loop. Goals: for BabyAI and TextCraft a pool within 2x of it
-(pool/in-process >= 0.5), for SciWorld 2 workers >= 1.6x of it.
-The last line is `ratio: <SciWorld, 2 workers / in-process>`.
+(pool/in-process >= 0.5), for SciWorld 2 workers >= 1.6x of it. SciWorld is measured with 1
+and with 4 threads per worker (its steps wait on the JVMs, outside the GIL). The last line is
+`ratio: <SciWorld, 2 workers x 4 threads / in-process>`.
 
 SciWorld starts one JVM per instance; unless JAVA_TOOL_OPTIONS is set, this script gives them
 a small heap and C1-only JIT (~95 MiB each instead of ~500 MiB), in both contestants alike.
@@ -40,8 +41,10 @@ ACTIONS = {
     "sciworld": ["look around", "inventory", "open door to kitchen", "go to kitchen",
                  "look at table", "go to hallway"],
 }
-ROUNDS = {"babyai": 20, "textcraft": 100, "sciworld": 4}
-WARMUP = {"babyai": 2, "textcraft": 5, "sciworld": 4}
+ROUNDS = {"babyai": 20, "textcraft": 100, "sciworld": 6}
+# Threads per worker tried besides 1: SciWorld's steps wait on its JVMs, outside the GIL.
+THREADS = {"sciworld": 4}
+WARMUP = {"babyai": 2, "textcraft": 5, "sciworld": 6}
 LEAN_JVM = "-XX:+UseSerialGC -Xms16m -Xmx512m -XX:TieredStopAtLevel=1 -Xss512k"
 
 
@@ -69,10 +72,12 @@ def in_process(name: str, task_ids: list[int], rounds: int, warmup: int) -> floa
       env.close()
 
 
-def pooled(name: str, task_ids: list[int], workers: int, rounds: int, warmup: int) -> float:
+def pooled(name: str, task_ids: list[int], workers: int, rounds: int, warmup: int,
+           threads: int) -> float:
   """Steps per second of one batched `EnvPool.step` per round."""
   slots = list(range(len(task_ids)))
-  with EnvPool(name, num_workers=workers, timeout_s=1800.0) as pool:
+  with EnvPool(name, num_workers=workers, timeout_s=1800.0,
+               threads_per_worker=threads) as pool:
     assert not any(o.failed for o in pool.reset(task_ids))
     for round_index in range(warmup + rounds):
       if round_index == warmup:
@@ -117,24 +122,29 @@ def main() -> None:
   header = f"{'env':<10} {'envs':>4} {'in-process':>11}" + "".join(
       f" {f'{w} worker' + ('s' if w > 1 else ''):>17}" for w in worker_counts)
   print(header + "   (steps/s; pool / in-process)")
-  ratios: dict[tuple[str, int], float] = {}
+  ratios: dict[tuple[str, int, int], float] = {}
   for name in args.envs.split(","):
     test_ids = environments.task_splits(name)["test"]
     task_ids = [test_ids[i % len(test_ids)] for i in range(args.num_envs)]
     reference = in_process(name, task_ids, ROUNDS[name], WARMUP[name])
-    row = f"{name:<10} {len(task_ids):>4} {reference:>11.1f}"
-    for workers in worker_counts:
-      rate = pooled(name, task_ids, workers, ROUNDS[name], WARMUP[name])
-      ratios[name, workers] = rate / reference
-      row += f" {rate:>9.1f} ({rate / reference:4.2f}x)"
-    print(row, flush=True)
+    for threads in (1, THREADS.get(name, 1)) if name in THREADS else (1,):
+      label = name if threads == 1 else f"  {threads} thr/w"
+      row = f"{label:<10} {len(task_ids):>4} {reference:>11.1f}"
+      for workers in worker_counts:
+        rate = pooled(name, task_ids, workers, ROUNDS[name], WARMUP[name], threads)
+        ratios[name, workers, threads] = rate / reference
+        row += f" {rate:>9.1f} ({rate / reference:4.2f}x)"
+      print(row, flush=True)
   for name in ("babyai", "textcraft"):
     if name in args.envs.split(","):
       remote, local = loopback_latency(name)
       print(f"{name}: median step latency over loopback HTTP {1000 * remote:.2f} ms "
             f"(in process {1000 * local:.3f} ms)")
   print(f"load average at end: {os.getloadavg()[0]:.2f}")
-  print(f"ratio: {ratios.get(('sciworld', 2), float('nan')):.2f}")
+  if ("sciworld", 2, 1) in ratios:
+    print(f"sciworld, 2 workers x 1 thread / in-process: {ratios['sciworld', 2, 1]:.2f}")
+  # The pool as configured for SciWorld: 2 workers, THREADS["sciworld"] threads each.
+  print(f"ratio: {ratios.get(('sciworld', 2, THREADS['sciworld']), float('nan')):.2f}")
 
 
 if __name__ == "__main__":

@@ -33,11 +33,10 @@ def tok():
   return ChatTokenizer.train_bpe(corpus, vocab_size=384)
 
 
-def _model(tok, seed=0, **overrides):
-  """A 2-layer random decoder whose end-of-turn token is likely enough to be sampled."""
+def _model(tok, seed=0, num_layers=2):
+  """A random decoder (d 64) whose end-of-turn token is likely enough to be sampled."""
   cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                    num_layers=2, num_heads=4, num_kv_heads=2, initializer_range=0.3,
-                    **overrides)
+                    num_layers=num_layers, num_heads=4, num_kv_heads=2, initializer_range=0.3)
   model = Decoder(cfg, rngs=nnx.Rngs(seed))
   embed = model.backbone.embed
   embed[...] = embed[...].at[tok.end_of_turn_ids[0]].multiply(4.0)
@@ -215,8 +214,8 @@ def test_cache_matches_reencoding_every_turn(tok, model):
 
 
 def test_twenty_turns_compile_a_bounded_number_of_times(tok):
-  # A model of its own, so that no other test has compiled anything for it yet.
-  model = _model(tok, seed=1, rms_norm_eps=1e-5)
+  # A model of its own (1 layer: compiles faster), so no other test has compiled for it yet.
+  model = _model(tok, seed=1, num_layers=1)
   graphdef, state = nnx.split(model)
   before = (sampler.extend._cache_size(), sampler.decode._cache_size())
   with EnvPool("scripted", num_workers=1,
@@ -231,11 +230,9 @@ def test_twenty_turns_compile_a_bounded_number_of_times(tok):
   assert (traj.num_turns == 20).sum() + successes == 4
   extends = sampler.extend._cache_size() - before[0]
   decodes = sampler.decode._cache_size() - before[1]
-  # Opening bucket + at most three observation buckets; decode once per batch size (4, and
-  # 2 and 1 if episodes finished and the batch was compacted).
-  assert extends <= 4 + 2 * 3 and decodes <= 3, (extends, decodes)
-  if successes == 0:
-    assert extends <= 4 and decodes == 1, (extends, decodes)
+  # The cache grows through 256, 512, 1024 and 2048 slots (~1400 tokens after 20 turns):
+  # decode compiles once per cache length; extend once per (chunk bucket, cache length) met.
+  assert decodes <= 4 and extends <= 10, (extends, decodes)
 
 
 def test_stop_rules_and_rewards(tok, model):

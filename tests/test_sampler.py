@@ -179,4 +179,20 @@ def test_decode_cache_matches_model_extend(model):
 
 
 def test_chunk_bucket():
-  assert [sampler.chunk_bucket(n) for n in (1, 16, 17, 100, 512)] == [16, 16, 32, 128, 512]
+  assert [sampler.chunk_bucket(n) for n in (1, 16, 17, 25, 100, 512)] == [16, 16, 24, 32, 128, 512]
+  assert [sampler.cache_bucket(n, 1152) for n in (0, 300, 1024, 1100, 5000)] == [
+      256, 512, 1024, 1152, 1152]
+
+
+@pytest.mark.parametrize("t", [1, 24, 96])
+def test_cached_attention_equals_model_attention(t):
+  from agentgym_jax.models.decoder import attention  # pylint: disable=import-outside-toplevel
+  b, kh, g, s, dh = 8, 2, 2, 512, 16
+  keys = jax.random.split(jax.random.key(t), 3)
+  q = jax.random.normal(keys[0], (b, t, kh, g, dh))
+  k = jax.random.normal(keys[1], (b, kh, s, dh))
+  v = jax.random.normal(keys[2], (b, kh, s, dh))
+  positions = jnp.arange(b)[:, None] * 40 + jnp.arange(t)[None]
+  mask = jnp.arange(s)[None, None] <= positions[:, :, None]
+  np.testing.assert_allclose(jax.jit(sampler.cached_attention)(q, k, v, mask),
+                             jax.jit(attention)(q, k, v, mask), atol=1e-5)

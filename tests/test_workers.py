@@ -63,6 +63,20 @@ def test_results_equal_in_process_results():
   assert got[0][1].info["action"] == "inc" and got[0][3].info["action"] == ""
 
 
+def test_threads_overlap_waits_and_keep_results_in_order():
+  with EnvPool(CounterEnv, num_workers=1, threads_per_worker=4, timeout_s=20.0) as pool:
+    pool.reset([4, 3, 2, 1])
+    start = time.monotonic()
+    outcomes = pool.step([0, 1, 2, 3], ["Action: sleep 0.5"] * 4)
+    # Four half-second waits overlap in four threads instead of adding up to 2 s.
+    assert time.monotonic() - start < 1.5
+    assert [o.info["task_id"] for o in outcomes] == [4, 3, 2, 1]
+    outcomes = pool.step([3, 2, 1, 0], ["Action: inc", "Action: raise", "Action: inc",
+                                        "Action: inc"])
+    assert [o.terminated for o in outcomes] == [False, True, False, False]
+    assert outcomes[1].failed and [o.observation for o in outcomes[::2]] == ["Count 1."] * 2
+
+
 def test_step_order_follows_the_requested_slots(pool):
   pool.reset([0, 1, 2, 3])
   outcomes = pool.step([3, 0, 2], ["Action: inc"] * 3)

@@ -225,8 +225,9 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     scores = jnp.where(mask[:, 0, None, None, :], scores.astype(jnp.float32), _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.sum(probs[..., None] * v[:, :, None], axis=3).reshape(b, 1, kh * g * dh)
-  block = 1
-  while block * 2 <= t and t % (block * 2) == 0 and b * kh * g * block * 2 * k.shape[2] <= _SCORE_BLOCK:
+  # Query block: the largest power of two dividing T whose scores fit in _SCORE_BLOCK.
+  block, per_query = 1, b * kh * g * k.shape[2]
+  while t % (block * 2) == 0 and per_query * block * 2 <= _SCORE_BLOCK:
     block *= 2
   if block == t:
     return attention(q, k, v, mask)

@@ -63,7 +63,8 @@ class KeypadEnv(TextEnv):
       raise ValueError(f"keypad: task ids are >= 0, got {task_id}.")
     self.code = random.Random(task_id).choice(self.codes)
     self.steps = 0
-    return f"Code: {self.code}.", {"code": self.code}
+    # The code is the task's category: evaluation reports success per code digit.
+    return f"Code: {self.code}.", {"code": self.code, "category": f"code {self.code}"}
 
   def _step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
     self.steps += 1

@@ -1,0 +1,168 @@
+"""The trainer end to end through its command line: smoke run, exact resume, bad overrides.
+
+The runs use experiments/keypad/learn.py:runlocal (a 2-layer random model, 2 tasks x 4
+samples per step) in subprocesses on one CPU device, sharing a persistent compilation cache,
+so each later run reuses the executables of the first.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from agentgym_jax import sharding
+from agentgym_jax.rl import advantages, losses
+from agentgym_jax.train import config as base
+from agentgym_jax.train import data, loop
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = "experiments/keypad/learn.py:runlocal"
+# Turn limit 1 for steps 0-2, 2 from step 3: a 4-step run crosses the phase boundary.
+SCALING = ["--config.schedule.kind=scaling_inter", "--config.schedule.horizons=1,2",
+           "--config.schedule.steps_per_phase=3"]
+# Metrics that measure the machine, not the run.
+_TIMING = ("time/", "rollout/tokens_per_s", "update/tokens_per_s", "rollout/env_seconds")
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("jax_cache"))
+
+
+def run_cli(module, args, cache_dir, timeout=600):
+  """Runs `python -m module args` from the repo root on one CPU device."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # one device: conftest's eight would only slow these runs down
+  env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache_dir,
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def train(workdir, cache_dir, *overrides):
+  result = run_cli("agentgym_jax.train", [f"--config={CONFIG}", f"--workdir={workdir}",
+                                          "--config.log.progress_bar=False", *overrides],
+                   cache_dir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+def metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def training_metrics(line):
+  return {k: v for k, v in line.items()
+          if not k.startswith(_TIMING) and not k.startswith("eval/")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, compile_cache):
+  """A 4-step run straight through, and one stopped after step 2 and resumed to step 4."""
+  root = tmp_path_factory.mktemp("runs")
+  straight, resumed = str(root / "straight"), str(root / "resumed")
+  train(straight, compile_cache, *SCALING, "--config.total_steps=4")
+  train(resumed, compile_cache, *SCALING, "--config.total_steps=2")
+  first_half = metrics(resumed)
+  train(resumed, compile_cache, *SCALING, "--config.total_steps=4")
+  return straight, resumed, first_half
+
+
+def test_runlocal_smoke_run_writes_checkpoints_metrics_and_export(runs):
+  _, resumed, first_half = runs
+  assert [m["step"] for m in first_half] == [1, 2]
+  assert first_half[-1]["eval/num_tasks"] == 4.0  # evaluated after its last step
+  for name in ("config.json", "run_info.json", "tokenizer/tokenizer.json", "hf/config.json",
+               "hf/model.safetensors", "hf/tokenizer.json"):
+    assert os.path.exists(os.path.join(resumed, name)), name
+  with open(os.path.join(resumed, "run_info.json")) as f:
+    assert "git_commit" in json.load(f)
+  assert sorted(os.listdir(os.path.join(resumed, "checkpoints"))) == ["3", "4"]  # keep = 2
+  expected = {"episodes/success_rate", "episodes/reward_mean", "episodes/turns_mean",
+              "episodes/reply_tokens_mean", "episodes/length_mean", "episodes/truncated_rate",
+              "actor/entropy", "actor/clip_frac", "actor/grad_norm", "actor/pg_loss",
+              "rollout/tokens_per_s", "update/tokens_per_s", "time/rollout", "time/update",
+              "schedule/max_turns", "schedule/phase"}
+  assert expected <= set(first_half[0])
+
+
+def test_resume_is_exact_across_a_scaling_inter_phase(runs):
+  straight, resumed, _ = runs
+  a, b = metrics(straight), metrics(resumed)
+  assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3, 4]
+  assert [m["schedule/max_turns"] for m in a] == [1.0, 1.0, 1.0, 2.0]
+  for line_a, line_b in zip(a, b):
+    assert training_metrics(line_a) == training_metrics(line_b), line_a["step"]
+  for name in ("model.safetensors",):
+    with open(os.path.join(straight, "hf", name), "rb") as f_a, \
+         open(os.path.join(resumed, "hf", name), "rb") as f_b:
+      assert f_a.read() == f_b.read()  # identical final parameters, bit for bit
+
+
+def test_evaluate_cli_reads_the_training_checkpoint(runs, compile_cache, tmp_path):
+  _, resumed, _ = runs
+  result = run_cli("agentgym_jax.evaluate", [f"--config={CONFIG}", f"--checkpoint={resumed}",
+                                             f"--output={tmp_path}", "--num_tasks=2"],
+                   compile_cache)
+  assert result.returncode == 0, result.stderr[-3000:]
+  with open(tmp_path / "eval_test.json") as f:
+    report = json.load(f)
+  assert report["settings"]["num_tasks"] == 2 and "step 4" in report["label"]
+
+
+def test_misspelt_override_stops_the_run_naming_the_field(tmp_path, compile_cache):
+  result = run_cli("agentgym_jax.train", [f"--config={CONFIG}", f"--workdir={tmp_path}",
+                                          "--config.algo.klcoef=0.1"], compile_cache)
+  assert result.returncode != 0
+  assert "klcoef" in result.stderr and "kl_coef" in result.stderr  # the field and a suggestion
+  assert "Traceback" not in result.stderr
+  assert not os.path.exists(tmp_path / "checkpoints")
+
+
+# ----- pieces of the loop, in process -----------------------------------------------------------
+
+
+def test_task_stream_is_a_deterministic_sequence_of_shuffled_epochs():
+  stream = data.TaskStream([10, 11, 12, 13, 14], seed=3)
+  first = stream.take(0, 12)
+  assert sorted(first[:5]) == sorted(first[5:10]) == [10, 11, 12, 13, 14]
+  assert first[:5] != first[5:10]  # each epoch has its own order
+  assert stream.take(4, 3) == first[4:7]  # reading from a cursor across an epoch boundary
+  assert data.TaskStream([10, 11, 12, 13, 14], seed=3).take(0, 12) == first
+  with pytest.raises(ValueError, match="empty"):
+    data.TaskStream([], seed=0)
+
+
+def test_batch_layout_is_checked_before_anything_runs():
+  c = base.base_config()
+  c.data.batch_tasks, c.data.group_size = 3, 2
+  c.algo.minibatches, c.algo.microbatches = 2, 2
+  with pytest.raises(ValueError, match="6 rows per step must be divisible"):
+    loop.check_batch_layout(c, sharding.make_mesh(c.mesh))
+
+
+def test_kl_in_reward_and_dr_grpo_advantages():
+  c = base.base_config()
+  c.algo.kl_in_reward, c.algo.kl_coef, c.algo.kl_estimator = True, 0.5, "k1"
+  c.algo.norm_adv_by_std = False  # grpo without the std: Dr.GRPO
+  mask = jnp.array([[0, 1, 1, 0], [0, 1, 1, 0]], bool)
+  rewards = jnp.array([[0, 0, 1.0, 0], [0, 0, 0, 0]])
+  old = jnp.array([[0, -1.0, -2.0, 0], [0, -1.0, -1.0, 0]])
+  ref = jnp.array([[0, -1.5, -2.0, 0], [0, -1.0, -0.5, 0]])
+  adv, _, kl = loop.make_advantage_fn(c)(rewards, mask, jnp.array([0, 0]), old, ref,
+                                         jnp.zeros_like(old))
+  np.testing.assert_allclose(kl, [[0, 0.5, 0, 0], [0, 0, -0.5, 0]])
+  scores = np.array([1.0 - 0.25, 0.25])  # reward minus 0.5 x summed k1
+  np.testing.assert_allclose(adv, (scores - scores.mean())[:, None] * np.asarray(mask),
+                             rtol=1e-6)
+  expected = advantages.ESTIMATORS["drgrpo"](
+      losses.kl_in_reward(rewards, old, ref, mask, beta=0.5, kind="k1")[0], mask,
+      group_ids=jnp.array([0, 0]))[0]
+  np.testing.assert_allclose(adv, expected, rtol=1e-6)
