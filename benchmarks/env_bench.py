@@ -3,11 +3,13 @@ r"""Environment stepping throughput: `EnvPool` with 1, 2 and 4 workers against a
     .venv/bin/python benchmarks/env_bench.py [--envs babyai,textcraft,sciworld] [--num-envs 64]
 
 For each environment, `--num-envs` instances (test-split tasks) step through the same fixed
-list of valid actions, round after round: in one process (a plain loop over the instances,
-parsing each response as the pool's workers do), then in pools of 1, 2 and 4 workers (one
-batched `step` call per round). After warm-up rounds (JIT of SciWorld's JVMs), the timed rounds
-give steps per second. Then the median latency of one `/step` over loopback HTTP
-(`RemoteEnv` against `environments.server`) beside the in-process step time.
+list of valid actions, round after round, in one process (a plain loop over the instances,
+parsing each response as the pool's workers do) and in a pool of 1, 2 or 4 workers (one
+batched `step` call per round). The two alternate round by round, so that load from other jobs
+on a shared machine hits both alike; after warm-up rounds (JIT of SciWorld's JVMs) the timed
+rounds give steps per second. The in-process column is the median over the pool runs. Then the
+median latency of one `/step` over loopback HTTP (`RemoteEnv` against `environments.server`)
+beside the in-process step time.
 
 Reference: the in-process loop. Goals: for BabyAI and TextCraft a pool within 2x of it
 (pool/in-process >= 0.5), for SciWorld 2 workers >= 1.6x of it. SciWorld is measured with 1
@@ -55,40 +57,47 @@ def _responses(name: str, round_index: int, count: int) -> list[str]:
           for slot in range(count)]
 
 
-def in_process(name: str, task_ids: list[int], rounds: int, warmup: int) -> float:
-  """Steps per second of a plain loop over the instances in this process."""
-  envs = [environments.make(name) for _ in task_ids]
-  try:
-    for env, task_id in zip(envs, task_ids):
-      env.reset(options={"task_id": task_id})
-    for round_index in range(warmup + rounds):
-      if round_index == warmup:
-        start = time.perf_counter()
-      for env, response in zip(envs, _responses(name, round_index, len(envs))):
-        env.step(env.parse_action(response))
-    return len(envs) * rounds / (time.perf_counter() - start)
-  finally:
-    for env in envs:
-      env.close()
+def _local_round(envs, responses: list[str]) -> float:
+  start = time.perf_counter()
+  for env, response in zip(envs, responses):
+    env.step(env.parse_action(response))
+  return time.perf_counter() - start
 
 
-def pooled(name: str, task_ids: list[int], workers: int, rounds: int, warmup: int,
-           threads: int) -> float:
-  """Steps per second of one batched `EnvPool.step` per round."""
-  slots = list(range(len(task_ids)))
+def _pool_round(pool: EnvPool, responses: list[str]) -> float:
+  start = time.perf_counter()
+  outcomes = pool.step(list(range(len(responses))), responses)
+  elapsed = time.perf_counter() - start
+  assert not any(o.failed for o in outcomes), [o.info for o in outcomes if o.failed][:1]
+  return elapsed
+
+
+def compare(name: str, local_envs, task_ids: list[int], workers: int,
+            threads: int) -> tuple[float, float]:
+  """(in-process, pool) steps per second over the same rounds, run alternately.
+
+  Alternating round by round exposes both contestants to the same load from other jobs.
+  Both start from fresh resets of the same tasks and take the same actions in lock-step.
+  """
   with EnvPool(name, num_workers=workers, timeout_s=1800.0,
                threads_per_worker=threads) as pool:
     assert not any(o.failed for o in pool.reset(task_ids))
-    for round_index in range(warmup + rounds):
-      if round_index == warmup:
-        start = time.perf_counter()
-      outcomes = pool.step(slots, _responses(name, round_index, len(slots)))
-      assert not any(o.failed for o in outcomes), [o.info for o in outcomes if o.failed][:1]
-    return len(slots) * rounds / (time.perf_counter() - start)
+    for env, task_id in zip(local_envs, task_ids):
+      env.reset(options={"task_id": task_id})
+    times = {"local": 0.0, "pool": 0.0}
+    for round_index in range(WARMUP[name] + ROUNDS[name]):
+      responses = _responses(name, round_index, len(task_ids))
+      local_time = _local_round(local_envs, responses)
+      pool_time = _pool_round(pool, responses)
+      if round_index >= WARMUP[name]:
+        times["local"] += local_time
+        times["pool"] += pool_time
+  steps = len(task_ids) * ROUNDS[name]
+  return steps / times["local"], steps / times["pool"]
 
 
-def loopback_latency(name: str, steps: int = 300) -> tuple[float, float]:
-  """Median seconds of one step over loopback HTTP, and of the same step in process."""
+def loopback_latency(name: str, steps: int = 300) -> dict[str, list[float]]:
+  """Seconds per step over loopback HTTP ("remote") and in process ("local")."""
   task_id = environments.task_splits(name)["test"][0]
   responses = [r for i in range(steps) for r in _responses(name, i, 1)]
   timings = {}
@@ -106,8 +115,8 @@ def loopback_latency(name: str, steps: int = 300) -> tuple[float, float]:
         if terminated or truncated:
           env.reset(options={"task_id": task_id})
       env.close()
-      timings[kind] = statistics.median(latencies)
-  return timings["remote"], timings["local"]
+      timings[kind] = latencies
+  return timings
 
 
 def main() -> None:
@@ -121,25 +130,34 @@ def main() -> None:
   print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
   header = f"{'env':<10} {'envs':>4} {'in-process':>11}" + "".join(
       f" {f'{w} worker' + ('s' if w > 1 else ''):>17}" for w in worker_counts)
-  print(header + "   (steps/s; pool / in-process)")
+  print(header + "   (steps/s of the pool; in parentheses: pool / in-process, measured "
+        "alternately)")
   ratios: dict[tuple[str, int, int], float] = {}
   for name in args.envs.split(","):
     test_ids = environments.task_splits(name)["test"]
     task_ids = [test_ids[i % len(test_ids)] for i in range(args.num_envs)]
-    reference = in_process(name, task_ids, ROUNDS[name], WARMUP[name])
-    for threads in (1, THREADS.get(name, 1)) if name in THREADS else (1,):
-      label = name if threads == 1 else f"  {threads} thr/w"
-      row = f"{label:<10} {len(task_ids):>4} {reference:>11.1f}"
-      for workers in worker_counts:
-        rate = pooled(name, task_ids, workers, ROUNDS[name], WARMUP[name], threads)
-        ratios[name, workers, threads] = rate / reference
-        row += f" {rate:>9.1f} ({rate / reference:4.2f}x)"
-      print(row, flush=True)
+    local_envs = [environments.make(name) for _ in task_ids]
+    try:
+      for threads in (1, THREADS[name]) if name in THREADS else (1,):
+        label = name if threads == 1 else f"  {threads} thr/w"
+        cells, references = [], []
+        for workers in worker_counts:
+          reference, rate = compare(name, local_envs, task_ids, workers, threads)
+          references.append(reference)
+          ratios[name, workers, threads] = rate / reference
+          cells.append(f" {rate:>9.1f} ({rate / reference:4.2f}x)")
+        print(f"{label:<10} {len(task_ids):>4} {statistics.median(references):>11.1f}"
+              + "".join(cells), flush=True)
+    finally:
+      for env in local_envs:
+        env.close()
   for name in ("babyai", "textcraft"):
     if name in args.envs.split(","):
-      remote, local = loopback_latency(name)
-      print(f"{name}: median step latency over loopback HTTP {1000 * remote:.2f} ms "
-            f"(in process {1000 * local:.3f} ms)")
+      timings = loopback_latency(name)
+      remote, local = timings["remote"], timings["local"]
+      ms = lambda seconds: f"median {1000 * statistics.median(seconds):.3f} ms, mean " \
+          f"{1000 * statistics.mean(seconds):.3f} ms"
+      print(f"{name}: step latency over loopback HTTP: {ms(remote)} (in process: {ms(local)})")
   print(f"load average at end: {os.getloadavg()[0]:.2f}")
   if ("sciworld", 2, 1) in ratios:
     print(f"sciworld, 2 workers x 1 thread / in-process: {ratios['sciworld', 2, 1]:.2f}")

@@ -133,7 +133,7 @@ def main():
     loss.backward()
     torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 1.0)
     optimizer.step()
-    return float(loss)
+    return float(loss.detach())
 
   # Parity of the first step: the same loss from the same weights and batch.
   state, metrics = step(state, device_batch)

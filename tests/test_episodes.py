@@ -305,8 +305,10 @@ def test_save_jsonl(tok, model, tmp_path):
                              sampling=SAMPLING, max_context=1024, rng=0, compact=False)
   path = tmp_path / "traj.jsonl"
   save_jsonl(str(path), traj, tok.decode, stats["episodes"])
+  save_jsonl(str(path), traj, tok.decode, stats["episodes"], append=True)
   lines = [json.loads(line) for line in path.read_text().splitlines()]
-  assert [line["num_turns"] for line in lines] == [2, 3, 2, 3]
+  assert [line["num_turns"] for line in lines] == [2, 3, 2, 3] * 2
+  lines = lines[:4]
   for line, e in zip(lines, stats["episodes"]):
     assert "".join(s["text"] for s in line["segments"]) == tok.decode(e.tokens)
     replies = [m["content"] for m in line["messages"][3::2]]

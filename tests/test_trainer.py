@@ -14,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from agentgym_jax import sharding
+from agentgym_jax.models import save_hf
 from agentgym_jax.rl import advantages, losses
 from agentgym_jax.train import config as base
-from agentgym_jax.train import data, loop
+from agentgym_jax.train import data, loop, sources
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "experiments/keypad/learn.py:runlocal"
@@ -166,3 +168,40 @@ def test_kl_in_reward_and_dr_grpo_advantages():
       losses.kl_in_reward(rewards, old, ref, mask, beta=0.5, kind="k1")[0], mask,
       group_ids=jnp.array([0, 0]))[0]
   np.testing.assert_allclose(adv, expected, rtol=1e-6)
+
+
+def test_bpe_tokenizer_is_trained_once_and_reused_from_the_workdir(tmp_path):
+  c = base.base_config()
+  c.env.name, c.tokenizer.spec, c.tokenizer.bpe_tasks = "keypad", "bpe:300", 4
+  tok = sources.load_tokenizer(c, str(tmp_path))
+  assert tok.vocab_size == 300 and (tmp_path / "tokenizer" / "tokenizer.json").exists()
+  # The role names of the ChatML template got merges: the corpus carries them.
+  assert len(tok.encode_text("assistant")) == 1
+  c.tokenizer.bpe_tasks = 32  # a different corpus would give other merges; the cache wins
+  again = sources.load_tokenizer(c, str(tmp_path))
+  text = "user\nCode: 7.\nassistant\n7"
+  assert again.encode_text(text) == tok.encode_text(text)
+
+
+def test_hf_source_loads_the_checkpoint_and_its_tokenizer(tmp_path):
+  c = base.base_config()
+  c.env.name, c.tokenizer.spec, c.tokenizer.bpe_tasks = "keypad", "bpe:300", 4
+  tok = sources.load_tokenizer(c, None)
+  c.model.arch.vocab_size = 0
+  mesh = sharding.make_mesh(c.mesh)
+  c.model.source = "random"
+  original = sources.build_policy(c, tok, mesh)
+  assert original.cfg.vocab_size == tok.vocab_size  # vocab_size 0 = the tokenizer's
+  save_hf(original, str(tmp_path))
+  tok.save_pretrained(str(tmp_path))
+  c.model.source, c.model.path, c.tokenizer.spec = "hf", str(tmp_path), "model"
+  loaded = sources.build_policy(c, sources.load_tokenizer(c, None), mesh)
+  assert sources.policy_config(c, tok).num_params == original.cfg.num_params
+  for a, b in zip(jax.tree.leaves(nnx.state(original)), jax.tree.leaves(nnx.state(loaded))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  critic = sources.build_critic(loaded, seed=0, mesh=mesh)
+  np.testing.assert_array_equal(np.asarray(critic.backbone.embed[...]),
+                                np.asarray(loaded.backbone.embed[...]))
+  c.model.source, c.model.arch.vocab_size = "random", 100
+  with pytest.raises(ValueError, match="smaller than the tokenizer"):
+    sources.build_policy(c, tok, mesh)

@@ -42,6 +42,17 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], cfg: ModelConfig) -> jax.Arr
   return x.astype(cfg.dtype)
 
 
+def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """x [..., In] @ kernel [In, Out] -> [..., Out], as a 2-D matmul over flattened rows.
+
+  Flattening matters for the backward pass on XLA:CPU: with x kept [B, T, In], the kernel
+  gradient contracts two axes and lowers to a transpose plus a slow generic dot (1.6x the
+  time of the flattened form in a measured [8, 256, 512] x [512, 3072] case).
+  """
+  out = x.reshape(-1, x.shape[-1]) @ kernel
+  return out.reshape(x.shape[:-1] + kernel.shape[-1:])
+
+
 class RMSNorm(nnx.Module):
   """x / rms(x) * scale, normalised in float32 (as transformers does)."""
 
@@ -126,7 +137,7 @@ class Block(nnx.Module):
     """x [B, T, D] -> q [B, T, K, G, Dh], k [B, T, K, Dh], v [B, T, K, Dh] (RoPE applied)."""
     cfg = self.cfg
     b, t, _ = x.shape
-    h = self.attn_norm(x) @ self.qkv[...]
+    h = dense(self.attn_norm(x), self.qkv[...])
     if self.qkv_bias is not None:
       h = h + self.qkv_bias[...]
     h = h.reshape(b, t, cfg.num_kv_heads, cfg.group_size + 2, cfg.head_dim)
@@ -137,11 +148,11 @@ class Block(nnx.Module):
 
   def finish(self, x: jax.Array, attn_out: jax.Array) -> jax.Array:
     """Output projection, residual and MLP. x [B, T, D], attn_out [B, T, H * Dh]."""
-    x = x + attn_out @ self.o[...]
-    h = self.mlp_norm(x) @ self.gate_up[...]
+    x = x + dense(attn_out, self.o[...])
+    h = dense(self.mlp_norm(x), self.gate_up[...])
     h = h.reshape(h.shape[:-1] + (self.cfg.intermediate_size, 2))
     h = jax.nn.silu(h[..., 0]) * h[..., 1]
-    return x + h @ self.down[...]
+    return x + dense(h, self.down[...])
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
                ) -> jax.Array:
@@ -238,11 +249,14 @@ class Decoder(nnx.Module):
 
   def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
     """hidden [B, T, D] -> logits [B, T, V] float32 (accumulated in float32)."""
+    rows = hidden.reshape(-1, hidden.shape[-1])  # 2-D for a fast backward (see `dense`)
     if self.lm_head is None:
-      return jnp.einsum("btd,vd->btv", hidden, self.backbone.embed[...],
-                        preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", hidden, self.lm_head[...],
-                      preferred_element_type=jnp.float32)
+      logits = jnp.einsum("nd,vd->nv", rows, self.backbone.embed[...],
+                          preferred_element_type=jnp.float32)
+    else:
+      logits = jnp.einsum("nd,dv->nv", rows, self.lm_head[...],
+                          preferred_element_type=jnp.float32)
+    return logits.reshape(hidden.shape[:-1] + logits.shape[-1:])
 
   def hidden_states(self, tokens: jax.Array, valid: jax.Array) -> jax.Array:
     """tokens [B, T] int32, valid [B, T] bool -> [B, T, D] (final norm applied)."""

@@ -65,11 +65,12 @@ def _take_rows(cache: DecodeCache, logits: jax.Array, rows: jax.Array
 class _Batch:
   """The device-side state: KV cache rows, their episodes and the pending logits."""
 
-  def __init__(self, graphdef, state, rows: int, limit: int, mesh: Mesh | None, cache_dtype):
+  def __init__(self, graphdef, state, rows: int, limit: int, grow: bool, mesh: Mesh | None,
+               cache_dtype):
     cfg = nnx.merge(graphdef, state).cfg
     self.graphdef, self.state, self.mesh, self.limit = graphdef, state, mesh, limit
-    self.cache = self._put(DecodeCache.init(cfg, rows, sampler.cache_bucket(0, limit),
-                                            cache_dtype))
+    length = sampler.cache_bucket(0, limit) if grow else limit
+    self.cache = self._put(DecodeCache.init(cfg, rows, length, cache_dtype))
     self.logits = self._put(jnp.zeros((rows, cfg.vocab_size), jnp.float32))
     self.episode_of_row = np.full((rows,), -1, np.int64)
 
@@ -152,7 +153,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
                  sampling: SamplingConfig = SamplingConfig(), max_context: int = 4096,
                  rng: Any = 0, system_prompt: str | None = None, mesh: Mesh | None = None,
                  acknowledgement: str | None = None, max_chunk: int = 512,
-                 compact: bool = True, cache_dtype=jnp.float32
+                 compact: bool = True, grow_cache: bool = True, cache_dtype=jnp.float32
                  ) -> tuple[Trajectory, dict[str, Any]]:
   """Runs len(task_ids) * group_size episodes to the end and returns them as a Trajectory.
 
@@ -174,6 +175,9 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
       (`info["acknowledgement"]`, else the pool's env class attribute, else AgentGym's).
     max_chunk: longest chunk appended in one extend call (longer ones are split).
     compact: shrink the batch when at most half the rows are still running.
+    grow_cache: start the KV cache at 256 slots and double it as rows need (fastest: a decode
+      step reads the whole cache); False allocates `max_context` slots at once (one cache
+      length, so fewer compilations, e.g. where compiling is slow).
     cache_dtype: KV cache dtype.
 
   Returns:
@@ -213,7 +217,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
 
   shards = 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp"))
   rows = -(-num // shards) * shards
-  batch = _Batch(graphdef, state, rows, -(-max_context // 128) * 128, mesh, cache_dtype)
+  batch = _Batch(graphdef, state, rows, -(-max_context // 128) * 128, grow_cache, mesh,
+                 cache_dtype)
   batch.episode_of_row[:num] = np.arange(num)
   episode_keys = jax.random.split(key, num)
   in_cache = np.zeros(num, np.int64)  # tokens of each episode already in its cache row
@@ -289,9 +294,6 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
       running[ep] = not e.stop_reason
     turn_seconds.append(time.perf_counter() - turn_start)
 
-  for e in episodes:
-    if not e.stop_reason:  # only when max_turns allowed no turn at all
-      e.finish("max_turns", truncated=True)
   traj = build_trajectory(episodes, tok.pad_id)
   reasons = collections.Counter(e.stop_reason for e in episodes)
   stats: dict[str, Any] = {

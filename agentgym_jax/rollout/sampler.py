@@ -221,10 +221,12 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
   if t == 1:
     # One query per row: a multiply-and-reduce streams the cache once (2.5x faster than the
     # batched matmul with its 1-row operands on XLA:CPU).
-    scores = jnp.sum(q[:, 0, :, :, None, :] * k[:, :, None], axis=-1) * (dh ** -0.5)
-    scores = jnp.where(mask[:, 0, None, None, :], scores.astype(jnp.float32), _NEG_INF)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.sum(probs[..., None] * v[:, :, None], axis=3).reshape(b, 1, kh * g * dh)
+    f32 = jnp.float32
+    scores = jnp.sum(q[:, 0, :, :, None, :].astype(f32) * k[:, :, None].astype(f32), axis=-1)
+    scores = jnp.where(mask[:, 0, None, None, :], scores * (dh ** -0.5), _NEG_INF)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.sum(probs[..., None] * v[:, :, None].astype(f32), axis=3)
+    return out.astype(v.dtype).reshape(b, 1, kh * g * dh)
   # Query block: the largest power of two dividing T whose scores fit in _SCORE_BLOCK.
   block, per_query = 1, b * kh * g * k.shape[2]
   while t % (block * 2) == 0 and per_query * block * 2 <= _SCORE_BLOCK:

@@ -184,18 +184,18 @@ def segments(traj: Trajectory, row: int) -> list[dict[str, Any]]:
   return out
 
 
-def save_jsonl(path: str, traj: Trajectory, decode, episodes: Sequence[Episode] | None = None
-               ) -> None:
+def save_jsonl(path: str, traj: Trajectory, decode, episodes: Sequence[Episode] | None = None,
+               append: bool = False) -> None:
   """Writes one JSON line per episode: outcome fields, token segments with their text.
 
   Args:
-    path: output file (overwritten).
+    path: output file (overwritten, or extended when `append`).
     traj: the batch.
     decode: ids -> text (e.g. `ChatTokenizer.decode`).
     episodes: the runner's host records, adding the stop reason and the conversation as
       messages (incl. the final observation, which is not part of the token sequence).
   """
-  with open(path, "w") as f:
+  with open(path, "a" if append else "w") as f:
     for row in range(traj.batch_size):
       line: dict[str, Any] = {
           "task_id": int(traj.task_id[row]), "group_id": int(traj.group_id[row]),

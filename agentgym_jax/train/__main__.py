@@ -11,6 +11,7 @@ the field.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from absl import app, flags
@@ -45,6 +46,9 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   logging.getLogger().setLevel(logging.INFO)
+  # A preempted job gets SIGTERM: turn it into an exception so the trainer's cleanup runs and
+  # waits for a checkpoint that is still being written instead of dying mid-save.
+  signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
   sharding.maybe_initialize_distributed()
   # Imported once the distributed runtime is up, so nothing at import time can touch a device
   # before it.

@@ -174,7 +174,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                        f"{meta.get('tokenizer')!r}, the config says {config.tokenizer.spec!r}.")
     cursor = int(meta["data_cursor"])
   start_step = int(jax.device_get(state.step))
-  writer = metrics_lib.MetricWriter(workdir, resume_step=start_step)
+  writer = (metrics_lib.MetricWriter(workdir, resume_step=start_step)
+            if jax.process_index() == 0 else None)
   pool = EnvPool(config.env.name, num_workers=config.env.num_workers,
                  env_kwargs=dict(config.env.kwargs), timeout_s=config.env.timeout_s)
 
@@ -191,7 +192,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         policy_def, state.policy, tok, pool, eval_ids, env_name=config.env.name,
         num_samples=config.eval.group_size, max_turns=max(config.schedule.horizons),
         sampling=sampling_eval, max_context=config.rollout.max_context,
-        rng=_step_key(state, step, EVAL_STREAM), system_prompt=system_prompt, mesh=mesh)
+        rng=_step_key(state, step, EVAL_STREAM), system_prompt=system_prompt, mesh=mesh,
+        # A training step's rows are known to fit; evaluate that many episodes at a time.
+        chunk_tasks=max(1, config.data.batch_tasks * config.data.group_size
+                        // config.eval.group_size))
     overall = result.summary[evaluate.eval_metrics.OVERALL]
     return {f"eval/{k}": float(v) for k, v in overall.items()} | {
         "eval/success_rate": float(np.mean(result.success))}
@@ -287,7 +291,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         previous = timer[phase]
       step_metrics["time/step"] = previous - timer["start"]
       step_metrics.update(eval_metrics)
-      if _due(done, config.log.every_steps, config.total_steps):
+      if writer and _due(done, config.log.every_steps, config.total_steps):
         writer.write(done, step_metrics)
       progress.update(1)
       progress.set_postfix(success=f"{step_metrics['episodes/success_rate']:.2f}",
@@ -298,7 +302,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     progress.close()
     ckpt.close()
     pool.close()
-    writer.close()
+    if writer:
+      writer.close()
 
   ##############################################################################################
   #                                          Export                                            #

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 import environments
 from agentgym_jax import sharding as sharding_lib
-from agentgym_jax.models import Decoder, ModelConfig, ValueModel, load_hf
+from agentgym_jax.models import Decoder, ModelConfig, ValueModel, gguf_io, load_gguf, load_hf
 from agentgym_jax.tokenization import ChatTokenizer
 
 TOKENIZER_DIR = "tokenizer"
@@ -110,7 +110,7 @@ def _with_remat(model: Decoder, remat: bool) -> Decoder:
 
 
 def policy_config(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> ModelConfig:
-  """The policy's ModelConfig without loading weights (sources "random" and "hf")."""
+  """The policy's ModelConfig, read without loading any weights."""
   if config.model.source == "random":
     arch = dict(config.model.arch)
     arch["vocab_size"] = arch["vocab_size"] or tok.vocab_size
@@ -120,7 +120,12 @@ def policy_config(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> Mode
   if config.model.source == "hf":
     return ModelConfig.from_hf_config(config.model.path, param_dtype=config.model.dtype,
                                       remat=config.model.remat)
-  raise ValueError(f"No config without weights for model.source {config.model.source!r}.")
+  if config.model.source == "smollm2":
+    from gguf import GGUFReader  # pylint: disable=import-outside-toplevel
+    cfg = gguf_io.gguf_config(GGUFReader(gguf_io.smollm2_gguf_path()), config.model.dtype)
+    return dataclasses.replace(cfg, remat=config.model.remat)
+  raise ValueError(f"model.source must be 'random', 'hf' or 'smollm2', got "
+                   f"{config.model.source!r}.")
 
 
 def build_policy(config: ml_collections.ConfigDict, tok: ChatTokenizer, mesh: Mesh) -> Decoder:
@@ -140,10 +145,7 @@ def build_policy(config: ml_collections.ConfigDict, tok: ChatTokenizer, mesh: Me
                        "needs an HF checkpoint directory (config.json + *.safetensors).")
     _, model = load_hf(config.model.path, mesh=mesh, dtype=jnp.dtype(config.model.dtype))
   elif source == "smollm2":
-    from agentgym_jax.models import load_gguf  # pylint: disable=import-outside-toplevel
-    _, model, _ = load_gguf(dtype=jnp.dtype(config.model.dtype))
-    graphdef, state = nnx.split(model)
-    model = nnx.merge(graphdef, sharding_lib.shard_state(state, mesh))
+    _, model, _ = load_gguf(mesh=mesh, dtype=jnp.dtype(config.model.dtype))
   else:
     raise ValueError(f"model.source must be 'random', 'hf' or 'smollm2', got {source!r}.")
   if model.cfg.vocab_size < tok.vocab_size:
