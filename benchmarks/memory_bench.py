@@ -16,8 +16,11 @@ instead of a ratio.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
+import os
 import resource
+import sys
 import tempfile
 
 import jax
@@ -27,7 +30,14 @@ from agentgym_jax.train import update as update_lib
 
 
 def load_config(spec: str):
-  """`path.py[:arg]` -> the file's get_config(arg)."""
+  """`path.py[:arg]` -> the file's get_config(arg).
+
+  Experiment files import their study's shared module as `experiments.<study>.<module>`, as
+  under `python -m agentgym_jax.train` from the repository root, so the root goes on the path.
+  """
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if root not in sys.path:
+    sys.path.insert(0, root)
   path, _, arg = spec.partition(":")
   module_spec = importlib.util.spec_from_file_location("experiment_config", path)
   module = importlib.util.module_from_spec(module_spec)
@@ -63,6 +73,7 @@ def main():
   loop.update_lib.make_update_step = instrumented
   with tempfile.TemporaryDirectory() as workdir:
     loop.train(config, workdir)
+  gc.collect()  # the run's objects hold reference cycles; collect them before counting
   rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
   print(f"config: {args.config} ({config.total_steps} steps, "
         f"{config.data.batch_tasks * config.data.group_size} rows/step, "

@@ -4,7 +4,8 @@ For each size, one model is created in JAX, exported with `save_hf` and loaded b
 transformers, so both frameworks run the same architecture and weights on the same right-padded
 batch (masked next-token cross-entropy, gradients w.r.t. all parameters, no optimizer step).
 Rounds alternate between the two so that load from other processes hits both alike; the median
-round counts. Also reports our achieved FLOP/s as a fraction of a measured f32 matmul peak.
+round counts. Also reports our achieved FLOP/s as a fraction of an f32 matmul peak measured in
+the same round.
 
     .venv/bin/python benchmarks/model_bench.py [--sizes 3M,30M] [--rounds 5] [--steps 3]
 
@@ -39,13 +40,13 @@ SIZES = {
 }
 
 
-def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
-  """Best-of-`reps` f32 FLOP/s of a jitted n x n x n matmul."""
+def matmul_peak(n: int = 2048, reps: int = 3):
+  """Returns fn() -> best-of-`reps` f32 FLOP/s of a jitted n x n x n matmul, measured now."""
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
   f = jax.jit(lambda x: x @ x)
   f(a).block_until_ready()
-  best = min(_timed(lambda: f(a).block_until_ready()) for _ in range(reps))
-  return 2 * n ** 3 / best
+  return lambda: 2 * n ** 3 / min(_timed(lambda: f(a).block_until_ready())
+                                  for _ in range(reps))
 
 
 def _timed(fn) -> float:
@@ -97,7 +98,7 @@ def torch_step(model, torch):
   return step
 
 
-def bench_size(name: str, rounds: int, steps: int, peak: float, remat: bool) -> float:
+def bench_size(name: str, rounds: int, steps: int, peak, remat: bool) -> float:
   import torch
   import transformers
 
@@ -121,21 +122,26 @@ def bench_size(name: str, rounds: int, steps: int, peak: float, remat: bool) -> 
     raise RuntimeError(f"losses differ: jax {jax_loss} vs torch {torch_loss}")
 
   tokens_per_step = batch * length
-  jax_rates, torch_rates = [], []
+  flops_per_step = train_flops_per_step(cfg, batch, length)
+  jax_rates, torch_rates, fractions = [], [], []
   for _ in range(rounds):
+    # The peak is re-measured every round: other jobs on the machine move it a lot.
+    round_peak = peak()
     seconds = _timed(lambda: [jax.block_until_ready(jstep(state, jt, jv)) for _ in range(steps)])
     jax_rates.append(steps * tokens_per_step / seconds)
+    fractions.append(steps * flops_per_step / seconds / round_peak)
     seconds = _timed(lambda: [tstep(tt, tv) for _ in range(steps)])
     torch_rates.append(steps * tokens_per_step / seconds)
   jax_rate, torch_rate = statistics.median(jax_rates), statistics.median(torch_rates)
-  flops = train_flops_per_step(cfg, batch, length) * jax_rate / tokens_per_step
+  flops = flops_per_step * jax_rate / tokens_per_step
   print(f"{name}: {cfg.num_params / 1e6:.1f}M params, batch {batch}x{length}, remat={remat}")
   print(f"  jax   fwd+bwd tok/s median {jax_rate:9.0f}  (rounds {min(jax_rates):.0f}-"
         f"{max(jax_rates):.0f})")
   print(f"  torch fwd+bwd tok/s median {torch_rate:9.0f}  (rounds {min(torch_rates):.0f}-"
         f"{max(torch_rates):.0f})")
-  print(f"  jax/torch {jax_rate / torch_rate:.2f}; jax {flops / 1e9:.0f} GFLOP/s = "
-        f"{flops / peak:.0%} of matmul peak", flush=True)
+  print(f"  jax/torch {jax_rate / torch_rate:.2f}; jax {flops / 1e9:.0f} GFLOP/s, "
+        f"{statistics.median(fractions):.0%} of the matmul peak measured in the same round "
+        f"(rounds {min(fractions):.0%}-{max(fractions):.0%})", flush=True)
   return jax_rate / torch_rate
 
 
@@ -146,8 +152,8 @@ def main():
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--remat", action="store_true", help="recompute blocks in backward")
   args = parser.parse_args()
-  peak = matmul_peak_flops()
-  print(f"f32 matmul peak (jax, 2048^3): {peak / 1e9:.0f} GFLOP/s; "
+  peak = matmul_peak()
+  print(f"f32 matmul peak (jax, 2048^3) now: {peak() / 1e9:.0f} GFLOP/s; "
         f"devices: {jax.devices()[0].platform} x {jax.device_count()}", flush=True)
   ratios = [bench_size(n, args.rounds, args.steps, peak, args.remat)
             for n in args.sizes.split(",")]

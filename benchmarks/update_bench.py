@@ -26,7 +26,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
@@ -123,7 +122,7 @@ def main():
   optimizer = torch.optim.AdamW(ref_model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
                                 weight_decay=0.01)
   t = {k: torch.from_numpy(np.asarray(v)) for k, v in batch.items()}
-  old = torch.from_numpy(np.asarray(device_batch["old_logprobs"]))
+  old = torch.from_numpy(np.array(device_batch["old_logprobs"]))
   tokens_per_step = args.rows * args.length
 
   def torch_step():

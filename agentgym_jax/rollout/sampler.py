@@ -140,8 +140,14 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sampling: SamplingConfig
     scale = 1.0 if sampling.temperature == 0.0 else sampling.temperature
     logprobs = jax.nn.log_softmax(logits / scale, axis=-1)
   else:
-    filtered = filter_logits(logits, sampling)
-    tokens = jax.vmap(jax.random.categorical)(keys, filtered)
+    # Inverse-CDF sampling: one uniform number per row instead of Gumbel noise for every
+    # vocabulary entry (4.8M random numbers per step for 32 rows of a 151k vocabulary).
+    probs = jax.nn.softmax(filter_logits(logits, sampling), axis=-1)
+    cdf = jnp.cumsum(probs, axis=-1)
+    # u in (0, total]: u = 0 would select index 0 even where it has zero mass.
+    u = (1.0 - jax.vmap(jax.random.uniform)(keys)) * cdf[:, -1]
+    # The first index whose cumulative mass reaches u; entries of zero mass are never it.
+    tokens = jnp.minimum(jnp.sum(cdf < u[:, None], axis=-1), logits.shape[-1] - 1)
     logprobs = jax.nn.log_softmax(logits / sampling.temperature, axis=-1)
   tokens = tokens.astype(jnp.int32)
   return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

@@ -87,10 +87,32 @@ def make_advantage_fn(config: ml_collections.ConfigDict):
 
 
 def _masked_stats(prefix: str, x: np.ndarray, mask: np.ndarray) -> dict[str, float]:
-  values = x[mask.astype(bool)]
+  values = np.asarray(x)[mask]
   if values.size == 0:
     return {f"{prefix}_mean": 0.0, f"{prefix}_std": 0.0}
   return {f"{prefix}_mean": float(values.mean()), f"{prefix}_std": float(values.std())}
+
+
+def _batch_diagnostics(host: Any, adv: np.ndarray, old_logprobs: np.ndarray,
+                       values: np.ndarray, returns: np.ndarray, reward_kl: np.ndarray, *,
+                       use_critic: bool, kl_in_reward: bool) -> dict[str, float]:
+  """Advantage statistics, sampler/trainer log-prob agreement, in-reward KL, critic quality.
+
+  `rollout/logprob_gap` is the mean |log-prob of the trainer's forward - the sampler's| over
+  agent tokens: ~1e-7 when both compute the same distribution; a large gap means the
+  rollout and the loss disagree (e.g. a temperature or masking mismatch).
+  """
+  mask = np.asarray(host.loss_mask).astype(bool)
+  out = _masked_stats("batch/advantage", adv, mask)
+  out["rollout/logprob_gap"] = float(
+      np.abs(np.asarray(old_logprobs) - host.sample_logprobs)[mask].mean()) if mask.any() else 0.0
+  if kl_in_reward:
+    out["reward/kl_mean"] = float(np.asarray(reward_kl)[mask].mean()) if mask.any() else 0.0
+  if use_critic:
+    out.update(_masked_stats("critic/values", values, mask))
+    out["critic/explained_variance"] = metrics_lib.explained_variance(
+        np.asarray(returns), np.asarray(values), mask)
+  return out
 
 
 def _due(step: int, every: int, total: int) -> bool:
@@ -259,16 +281,15 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       timer["eval"] = time.perf_counter()
 
       # ----- metrics -----
-      host_mask, host_adv = np.asarray(host.loss_mask), np.asarray(jax.device_get(adv))
       step_metrics = metrics_lib.trajectory_metrics(host)
       step_metrics.update({k: float(v) for k, v in update_metrics.items()})
-      step_metrics.update(_masked_stats("batch/advantage", host_adv, host_mask))
+      step_metrics.update(_batch_diagnostics(
+          host, *jax.device_get((adv, old_logprobs, values, returns, reward_kl)),
+          use_critic=update_cfg.use_critic,
+          kl_in_reward=config.algo.kl_in_reward and keep_reference))
       step_metrics.update({
           "schedule/max_turns": float(max_turns),
           "schedule/phase": float(schedule.phase(config.schedule, step)),
-          "rollout/logprob_gap": float(np.abs(
-              np.asarray(jax.device_get(old_logprobs)) - host.sample_logprobs)[host_mask].mean()
-              if host_mask.any() else 0.0),
           "rollout/tokens_per_s": stats["rollout/sampled_tokens"] / max(
               timer["rollout"] - timer["start"], 1e-9),
           "rollout/env_seconds": float(stats["rollout/env_seconds"]),
@@ -276,15 +297,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
               timer["update"] - timer["advantages"], 1e-9),
           "data/cursor": float(cursor),
       })
-      if config.algo.kl_in_reward and keep_reference:
-        step_metrics["reward/kl_mean"] = float(np.asarray(jax.device_get(reward_kl))[
-            host_mask].mean()) if host_mask.any() else 0.0
-      if update_cfg.use_critic:
-        host_values = np.asarray(jax.device_get(values))
-        host_returns = np.asarray(jax.device_get(returns))
-        step_metrics.update(_masked_stats("critic/values", host_values, host_mask))
-        step_metrics["critic/explained_variance"] = metrics_lib.explained_variance(
-            host_returns, host_values, host_mask)
       previous = timer["start"]
       for phase in ("rollout", "score", "advantages", "update", "checkpoint", "eval"):
         step_metrics[f"time/{phase}"] = timer[phase] - previous
