@@ -74,6 +74,8 @@ _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Probe strings for reading the template's structure; chosen to tokenize and render plainly.
 _PROBE_USER = "probe user message"
 _PROBE_REPLY = "probe assistant reply"
+_OBSERVATION_PROBE = [{"role": "user", "content": _PROBE_USER},
+                      {"role": "assistant", "content": _PROBE_REPLY}]
 
 
 class ChatTokenizer:
@@ -105,6 +107,10 @@ class ChatTokenizer:
     pad = hf_tokenizer.pad_token_id
     self.pad_id: int = int(pad if pad is not None else eot_id)
     self.vocab_size: int = len(hf_tokenizer)
+    # Everything up to the end-of-turn token of a probe conversation: encode_observation
+    # renders the probe plus the observation and keeps what follows this prefix.
+    self._before_observation = (self.render(_OBSERVATION_PROBE[:1], add_generation_prompt=True)
+                                + _PROBE_REPLY + self.end_of_turn)
 
   # ----- constructors ----------------------------------------------------------------------
 
@@ -194,15 +200,12 @@ class ChatTokenizer:
     Closes that turn (e.g. the "\\n" after <|im_end|>), adds a user message with `text` and
     opens the next assistant turn, exactly as the chat template renders it.
     """
-    head = [{"role": "user", "content": _PROBE_USER}]
-    reply = {"role": "assistant", "content": _PROBE_REPLY}
-    before = self.render(head, add_generation_prompt=True) + _PROBE_REPLY + self.end_of_turn
-    full = self.render(head + [reply, {"role": "user", "content": text}],
+    full = self.render(_OBSERVATION_PROBE + [{"role": "user", "content": text}],
                        add_generation_prompt=True)
-    if not full.startswith(before):
+    if not full.startswith(self._before_observation):
       raise ValueError("The chat template is not prefix-stable (rendering a longer conversation "
                        "changes earlier turns), so observations cannot be appended exactly.")
-    return self.encode_text(full[len(before):])
+    return self.encode_text(full[len(self._before_observation):])
 
   def encode_conversation(self, messages: Sequence[Message], add_generation_prompt: bool = False
                           ) -> tuple[list[int], list[bool]]:

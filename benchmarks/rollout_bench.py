@@ -11,9 +11,11 @@ tokens), replies of up to R tokens sampled at temperature 1, one tiny random Lla
   (left-padded batch) and calls `generate` on a `LlamaForCausalLM` holding the same weights.
 
 Both step the same environments through the same EnvPool and run once untimed first (JIT
-compilation, allocator warm-up); the reference runs torch with 1 or 2 threads, whichever is
-faster at the time. Timed runs alternate between the two, and the best of each counts. Prints
-tokens/s of each, their ratio, and each runner's turn-T / turn-1 time ratio; the last line is
+compilation, allocator warm-up). Threads: on a busy 2-core machine one intra-op thread beats two
+for both runtimes, so XLA runs single-threaded (`--jax_threads 2` for XLA's default thread
+pool) and torch gets 1 or 2 threads, whichever is faster at the time. Timed runs alternate
+between the runners, and the best of each counts. Prints tokens/s of each, their ratio, and
+each runner's turn-T / turn-1 time ratio; the last line is
 `ratio: <ours / reference tokens per second>`.
 
     .venv/bin/python benchmarks/rollout_bench.py [--episodes 32 --turns 8 --reply 32]
@@ -23,21 +25,29 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
 
-import jax
-import numpy as np
-import torch
-import transformers
-from flax import nnx
+# XLA reads its flags once, when jax is imported: pick the thread count before that.
+_THREADS = argparse.ArgumentParser(add_help=False)
+_THREADS.add_argument("--jax_threads", type=int, choices=(1, 2), default=1)
+if _THREADS.parse_known_args(sys.argv[1:])[0].jax_threads == 1:
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
+                             "false intra_op_parallelism_threads=1").strip()
 
-from agentgym_jax.models import Decoder, ModelConfig, save_hf
-from agentgym_jax.rollout import SamplingConfig, run_episodes
-from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT
-from agentgym_jax.tokenization import ChatTokenizer
-from environments.scripted.env import BOXES, INSTRUCTION
-from environments.workers import EnvPool
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+import torch  # pylint: disable=wrong-import-position
+import transformers  # pylint: disable=wrong-import-position
+from flax import nnx  # pylint: disable=wrong-import-position
+
+from agentgym_jax.models import Decoder, ModelConfig, save_hf  # pylint: disable=wrong-import-position
+from agentgym_jax.rollout import SamplingConfig, run_episodes  # pylint: disable=wrong-import-position
+from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT  # pylint: disable=wrong-import-position
+from agentgym_jax.tokenization import ChatTokenizer  # pylint: disable=wrong-import-position
+from environments.scripted.env import BOXES, INSTRUCTION  # pylint: disable=wrong-import-position
+from environments.workers import EnvPool  # pylint: disable=wrong-import-position
 
 
 def reference_rollout(hf_model, tok: ChatTokenizer, pool, task_ids, turns: int, reply: int
@@ -104,6 +114,8 @@ def main():
   parser.add_argument("--filler", type=int, default=7,
                       help="filler words per observation (7 gives ~64 tokens)")
   parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--jax_threads", type=int, choices=(1, 2), default=1,
+                      help="XLA intra-op threads (read before jax is imported)")
   args = parser.parse_args()
 
   corpus = [INSTRUCTION, " ".join(BOXES), "the room is quiet and the light is dim"] * 20

@@ -48,8 +48,22 @@ def make(name: str, **kwargs) -> TextEnv:
   return env_class(name)(**kwargs)
 
 
-def task_splits(name: str) -> dict[str, list[int]]:
-  """The train/test task ids shipped with environment `name`: {"train": [...], "test": [...]}."""
-  package = REGISTRY[name].split(":")[0].rsplit(".", 1)[0]
-  with resources.files(package).joinpath("data/splits.json").open() as f:
+def task_splits(name: str, env_name: str | None = None) -> dict[str, list[int]]:
+  """The train/test task ids shipped for environment `name`: {"train": [...], "test": [...]}.
+
+  For `name="remote"`, `env_name` names the served environment (a key of `REGISTRY`, or
+  "webarena"), whose split is used.
+  """
+  if name == "remote":
+    if not env_name:
+      raise ValueError("task_splits('remote') needs env_name= (the served environment, e.g. "
+                       "'webarena'); set it in the env kwargs of the config.")
+    name = env_name
+  package = f"environments.{name}"
+  try:
+    split_file = resources.files(package).joinpath("data/splits.json")
+  except ModuleNotFoundError:
+    raise ValueError(f"No task splits ship for environment {name!r}; known: "
+                     f"{sorted(set(REGISTRY) - {'remote'} | {'webarena'})}.") from None
+  with split_file.open() as f:
     return json.load(f)

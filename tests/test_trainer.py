@@ -2,11 +2,15 @@
 
 The runs use experiments/keypad/learn.py:runlocal (a 2-layer random model, 2 tasks x 4
 samples per step) in subprocesses on one CPU device, sharing a persistent compilation cache,
-so each later run reuses the executables of the first.
+so each later run reuses the executables of the first. The exact-resume comparison needs two
+more training runs and is marked slow:
+
+  .venv/bin/pytest tests/test_trainer.py -m slow -q
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -66,57 +70,64 @@ def training_metrics(line):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, compile_cache):
-  """A 4-step run straight through, and one stopped after step 2 and resumed to step 4."""
-  root = tmp_path_factory.mktemp("runs")
-  straight, resumed = str(root / "straight"), str(root / "resumed")
-  train(straight, compile_cache, *SCALING, "--config.total_steps=4")
-  train(resumed, compile_cache, *SCALING, "--config.total_steps=2")
-  first_half = metrics(resumed)
-  train(resumed, compile_cache, *SCALING, "--config.total_steps=4")
-  return straight, resumed, first_half
+def smoke(tmp_path_factory, compile_cache):
+  """The runlocal config through the CLI: 1 step, stop, resume for step 2 (then evaluated)."""
+  workdir = str(tmp_path_factory.mktemp("smoke") / "run")
+  train(workdir, compile_cache, *SCALING, "--config.total_steps=1")
+  after_one = metrics(workdir)
+  resumed = train(workdir, compile_cache, *SCALING, "--config.total_steps=2")
+  return workdir, after_one, resumed.stderr
 
 
-def test_runlocal_smoke_run_writes_checkpoints_metrics_and_export(runs):
-  _, resumed, first_half = runs
-  assert [m["step"] for m in first_half] == [1, 2]
-  assert first_half[-1]["eval/num_tasks"] == 4.0  # evaluated after its last step
+def test_runlocal_smoke_run_checkpoints_resumes_and_exports(smoke):
+  workdir, after_one, log = smoke
+  assert [m["step"] for m in after_one] == [1]
+  assert "Restored checkpoint 1" in log
+  lines = metrics(workdir)
+  assert [m["step"] for m in lines] == [1, 2]
+  assert lines[0] == after_one[0]  # the resumed run appended, it did not rewrite step 1
+  assert lines[1]["data/cursor"] == 4.0  # 2 tasks per step: the task order went on
+  assert lines[1]["eval/num_tasks"] == 4.0  # evaluated after its last step
   for name in ("config.json", "run_info.json", "tokenizer/tokenizer.json", "hf/config.json",
                "hf/model.safetensors", "hf/tokenizer.json"):
-    assert os.path.exists(os.path.join(resumed, name)), name
-  with open(os.path.join(resumed, "run_info.json")) as f:
+    assert os.path.exists(os.path.join(workdir, name)), name
+  with open(os.path.join(workdir, "run_info.json")) as f:
     assert "git_commit" in json.load(f)
-  assert sorted(os.listdir(os.path.join(resumed, "checkpoints"))) == ["3", "4"]  # keep = 2
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
   expected = {"episodes/success_rate", "episodes/reward_mean", "episodes/turns_mean",
               "episodes/reply_tokens_mean", "episodes/length_mean", "episodes/truncated_rate",
               "actor/entropy", "actor/clip_frac", "actor/grad_norm", "actor/pg_loss",
               "rollout/tokens_per_s", "update/tokens_per_s", "time/rollout", "time/update",
               "schedule/max_turns", "schedule/phase"}
-  assert expected <= set(first_half[0])
+  assert expected <= set(lines[0])
 
 
-def test_resume_is_exact_across_a_scaling_inter_phase(runs):
-  straight, resumed, _ = runs
-  a, b = metrics(straight), metrics(resumed)
-  assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3, 4]
-  assert [m["schedule/max_turns"] for m in a] == [1.0, 1.0, 1.0, 2.0]
-  for line_a, line_b in zip(a, b):
-    assert training_metrics(line_a) == training_metrics(line_b), line_a["step"]
-  for name in ("model.safetensors",):
-    with open(os.path.join(straight, "hf", name), "rb") as f_a, \
-         open(os.path.join(resumed, "hf", name), "rb") as f_b:
-      assert f_a.read() == f_b.read()  # identical final parameters, bit for bit
-
-
-def test_evaluate_cli_reads_the_training_checkpoint(runs, compile_cache, tmp_path):
-  _, resumed, _ = runs
-  result = run_cli("agentgym_jax.evaluate", [f"--config={CONFIG}", f"--checkpoint={resumed}",
+def test_evaluate_cli_reads_the_training_checkpoint(smoke, compile_cache, tmp_path):
+  workdir, _, _ = smoke
+  result = run_cli("agentgym_jax.evaluate", [f"--config={CONFIG}", f"--checkpoint={workdir}",
                                              f"--output={tmp_path}", "--num_tasks=2"],
                    compile_cache)
   assert result.returncode == 0, result.stderr[-3000:]
   with open(tmp_path / "eval_test.json") as f:
     report = json.load(f)
-  assert report["settings"]["num_tasks"] == 2 and "step 4" in report["label"]
+  assert report["settings"]["num_tasks"] == 2 and "step 2" in report["label"]
+
+
+@pytest.mark.slow
+def test_resume_is_exact_across_a_scaling_inter_phase(smoke, compile_cache, tmp_path):
+  """4 steps straight == the smoke run's 1 + 1 steps resumed for 2 more (phase change at 3)."""
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  shutil.copytree(smoke[0], resumed)
+  train(straight, compile_cache, *SCALING, "--config.total_steps=4")
+  train(resumed, compile_cache, *SCALING, "--config.total_steps=4")
+  a, b = metrics(straight), metrics(resumed)
+  assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3, 4]
+  assert [m["schedule/max_turns"] for m in a] == [1.0, 1.0, 1.0, 2.0]
+  for line_a, line_b in zip(a, b):
+    assert training_metrics(line_a) == training_metrics(line_b), line_a["step"]
+  with open(os.path.join(straight, "hf", "model.safetensors"), "rb") as f_a, \
+       open(os.path.join(resumed, "hf", "model.safetensors"), "rb") as f_b:
+    assert f_a.read() == f_b.read()  # identical final parameters, bit for bit
 
 
 def test_misspelt_override_stops_the_run_naming_the_field(tmp_path, compile_cache):
@@ -205,3 +216,29 @@ def test_hf_source_loads_the_checkpoint_and_its_tokenizer(tmp_path):
   c.model.source, c.model.arch.vocab_size = "random", 100
   with pytest.raises(ValueError, match="smaller than the tokenizer"):
     sources.build_policy(c, tok, mesh)
+
+
+def test_lock_rejects_fields_the_trainer_does_not_know():
+  c = base.base_config()
+  c.env.kwargs.codes = "7"  # an environment's own arguments are free-form
+  assert base.lock(c).is_locked
+  for path in ("algo.kl_coeff", "model.arch.hiden_size", "evals"):
+    c = base.base_config()
+    *parents, leaf = path.split(".")
+    node = c
+    for name in parents:
+      node = node[name]
+    node[leaf] = 1
+    with pytest.raises(ValueError, match=path.replace(".", r"\.")):
+      base.lock(c)
+
+
+def test_parse_arg_reads_literals_bare_bools_and_rejects_unknown_keys():
+  args = base.parse_arg("algo=ppo,runlocal,lr=3e-4,horizons=(1, 2)", algo="grpo",
+                        runlocal=False, lr=1e-3, horizons=(3,))
+  assert (args.algo, args.runlocal, args.lr, args.horizons) == ("ppo", True, 3e-4, (1, 2))
+  assert base.parse_arg(None, algo="grpo").algo == "grpo"
+  with pytest.raises(ValueError, match="Unknown config argument 'algos'"):
+    base.parse_arg("algos=ppo", algo="grpo")
+  with pytest.raises(ValueError, match="needs a value"):
+    base.parse_arg("algo", algo="grpo")

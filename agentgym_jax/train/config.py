@@ -25,6 +25,7 @@ command line (`--config.schedule.horizons="(6, 13, 20)"`) but not lists.
 from __future__ import annotations
 
 import ast
+import dataclasses
 from typing import Any
 
 import ml_collections
@@ -214,17 +215,64 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+# Sub-trees whose keys are not fixed by the schema: an environment's constructor arguments.
+_FREE_FORM = ("env.kwargs",)
+
+
+def _unknown_fields(config: ml_collections.ConfigDict, schema: ml_collections.ConfigDict,
+                    prefix: str = "") -> list[str]:
+  unknown = []
+  for key, value in config.items():
+    path = f"{prefix}{key}"
+    if path in _FREE_FORM:
+      continue
+    if key not in schema:
+      unknown.append(path)
+    elif isinstance(value, ml_collections.ConfigDict) and path != "model.arch":
+      unknown += _unknown_fields(value, schema[key], path + ".")
+  return unknown
+
+
 def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Locks `config` so an override of a field that does not exist is an error."""
+  """Checks `config` against the schema of `base_config()` and locks it.
+
+  An experiment file that sets a field the trainer does not read (a misspelling) fails here,
+  as a command-line override of such a field fails after locking.
+
+  Raises:
+    ValueError: fields that `base_config()` does not define, or `model.arch` keys that are
+      not ModelConfig fields.
+  """
+  from agentgym_jax.models import ModelConfig  # pylint: disable=import-outside-toplevel
+  unknown = _unknown_fields(config, base_config())
+  arch_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  unknown += [f"model.arch.{k}" for k in config.model.arch if k not in arch_fields]
+  if unknown:
+    raise ValueError(f"Config fields the trainer does not know (misspelt?): {unknown}. "
+                     "Every field is defined, with its meaning, in "
+                     "agentgym_jax/train/config.py:base_config().")
   config.lock()
   return config
+
+
+def _split_top_level(text: str) -> list[str]:
+  """Splits on commas outside brackets: "a=1,b=(2, 3)" -> ["a=1", "b=(2, 3)"]."""
+  items, depth, start = [], 0, 0
+  for i, ch in enumerate(text):
+    depth += ch in "([{"
+    depth -= ch in ")]}"
+    if ch == "," and depth == 0:
+      items.append(text[start:i])
+      start = i + 1
+  items.append(text[start:])
+  return [item.strip() for item in items]
 
 
 def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
   """Parses a config argument "k=v,k2=v2" (or "k" for a True bool) against `defaults`.
 
-  Values are read as Python literals where possible (`size=3`, `lr=1e-5`), else strings
-  (`env=babyai`). An unknown key is an error naming the known ones.
+  Values are read as Python literals where possible (`size=3`, `lr=1e-5`, `h=(6, 13, 20)`),
+  else strings (`env=babyai`). An unknown key is an error naming the known ones.
 
   Args:
     arg: the text after `:` in `--config=file.py:arg`, or None.
@@ -233,7 +281,7 @@ def parse_arg(arg: str | None, **defaults: Any) -> ml_collections.ConfigDict:
     A locked ConfigDict with one field per key.
   """
   parsed = dict(defaults)
-  for item in filter(None, (arg or "").split(",")):
+  for item in filter(None, _split_top_level(arg or "")):
     key, sep, text = item.partition("=")
     key = key.strip()
     if key not in defaults:

@@ -274,10 +274,12 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
   tokens, valid, loss_mask, old_logprobs, advantages; ref_logprobs when the KL term is in the
   loss; returns, old_values with a critic.
 
-  Metrics (means over the step's optimizer updates): actor/{pg_loss, entropy, kl, clip_frac,
-  clip_frac_lower, approx_kl, grad_norm, lr, skipped}; with a critic critic/{value_loss,
-  vf_clip_frac, grad_norm, lr, skipped}. `skipped` is the fraction of updates dropped for a
-  non-finite loss or gradient.
+  Metrics (means over the step's optimizer updates): actor/{loss, pg_loss, entropy,
+  clip_frac, clip_frac_lower, approx_kl, grad_norm, lr, skipped}, actor/kl with the KL term in
+  the loss; with a critic critic/{value_loss, vf_clip_frac, grad_norm, lr, skipped}.
+  `skipped` is the fraction of updates dropped for a non-finite loss or gradient; `lr` is the
+  schedule at the update's index (steps done x updates per step + i), grad_norm is before
+  clipping.
   """
   rows_spec = NamedSharding(mesh, P(sharding_lib.BATCH_AXES))
   policy_fn = functools.partial(policy_loss, graphdef=policy_def, cfg=cfg)
