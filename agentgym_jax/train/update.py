@@ -124,6 +124,20 @@ def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
   return _shift_right(losses.entropy_from_logits(logits[:, :-1] / temperature))
 
 
+def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0
+                               ) -> tuple[jax.Array, jax.Array]:
+  """`token_logprobs` and `token_entropy` from one log-softmax: [B, L, V] -> two [B, L].
+
+  The loss needs both; sharing the log-softmax saves passes over the [B, L, V] logits, which
+  dominate the memory traffic of a small model's update. The model's logits are finite, so
+  p log p needs none of `losses.entropy_from_logits`' care for -inf logits.
+  """
+  log_p = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
+  picked = jnp.take_along_axis(log_p, tokens[:, 1:, None], axis=-1)[..., 0]
+  entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+  return _shift_right(picked), _shift_right(entropy)
+
+
 def split_micro(tree: Any, num: int) -> Any:
   """Rows [R, ...] -> [num, R // num, ...], micro-batch k holding rows k, k + num, ..."""
   def one(x):
@@ -170,8 +184,7 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
   model = nnx.merge(graphdef, params)
   logits = model(micro["tokens"], micro["valid"])
   mask = micro["loss_mask"]
-  logp = token_logprobs(logits, micro["tokens"], cfg.temperature)
-  entropy = token_entropy(logits, cfg.temperature)
+  logp, entropy = token_logprobs_and_entropy(logits, micro["tokens"], cfg.temperature)
   pg, pg_metrics = losses.ppo_clip(
       logp, micro["old_logprobs"], micro["advantages"], mask, clip_ratio_low=cfg.clip_low,
       clip_ratio_high=cfg.clip_high, clip_ratio_c=cfg.clip_dual or None)
