@@ -179,8 +179,8 @@ def test_decode_cache_matches_model_extend(model):
 
 
 def test_chunk_bucket():
-  assert [sampler.chunk_bucket(n) for n in (1, 16, 17, 100, 129, 200, 512)] == [
-      16, 16, 32, 112, 192, 256, 512]
+  assert [sampler.chunk_bucket(n) for n in (1, 16, 17, 25, 100, 129, 200, 512)] == [
+      16, 16, 24, 32, 128, 192, 256, 512]
   assert [sampler.cache_bucket(n, 1152) for n in (0, 300, 1024, 1100, 5000)] == [
       256, 512, 1024, 1152, 1152]
 
