@@ -322,10 +322,11 @@ def _client_steps(url: str, steps: int) -> list[float]:
   return latencies
 
 
-def test_32_concurrent_clients_200_steps_each(toy_url):
+@pytest.mark.parametrize("steps", [50, pytest.param(200, marks=pytest.mark.slow)])
+def test_32_concurrent_clients(toy_url, steps):
   with concurrent.futures.ThreadPoolExecutor(32) as executor:
-    results = list(executor.map(lambda _: _client_steps(toy_url, 200), range(32)))
-  assert [len(r) for r in results] == [200] * 32
+    results = list(executor.map(lambda _: _client_steps(toy_url, steps), range(32)))
+  assert [len(r) for r in results] == [steps] * 32
   assert requests.get(toy_url + "/health", timeout=10).json()["instances"] == 0
 
 

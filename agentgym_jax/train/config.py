@@ -131,7 +131,7 @@ def base_config() -> ml_collections.ConfigDict:
   # Discount and GAE lambda (per agent token, as verl); used by gae and reinforce_plus_plus.
   c.algo.gamma = 1.0
   c.algo.lam = 1.0
-  # Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO.
+  # grpo only: divide group-centred rewards by the group std; False gives Dr.GRPO (= "drgrpo").
   c.algo.norm_adv_by_std = True
   # Whiten advantages over the batch's agent tokens after the estimator.
   c.algo.whiten = False
@@ -142,7 +142,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.algo.clip_dual = 0.0
   # KL-to-reference coefficient (0 = no reference model is kept).
   c.algo.kl_coef = 0.001
-  # KL estimator: "k1" | "k2" | "k3" | "low_var_kl" (k3 clamped, AgentGym-RL's choice).
+  # KL estimator, a key of rl.losses.KL_ESTIMATORS: "k1" | "k2" | "abs" | "low_var_kl" (= "k3",
+  # clamped; AgentGym-RL's choice), in the loss or, with kl_in_reward, in the reward.
   c.algo.kl_estimator = "low_var_kl"
   # Subtract kl_coef * KL(old || ref) from the token rewards instead of adding it to the loss.
   c.algo.kl_in_reward = False
