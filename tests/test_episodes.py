@@ -230,10 +230,9 @@ def test_twenty_turns_compile_a_bounded_number_of_times(tok):
   assert (traj.num_turns == 20).sum() + successes == 4
   extends = sampler.extend._cache_size() - before[0]
   decodes = sampler.decode._cache_size() - before[1]
-  # The cache grows through 256, 512 and 1024 slots (~900 tokens after 20 turns):
+  # The cache grows through 256, 512, 1024 and 2048 slots (~1400 tokens after 20 turns):
   # decode compiles once per cache length; extend once per (chunk bucket, cache length) met.
-  assert decodes <= 3 and extends <= 8, (extends, decodes, np.asarray(traj.valid).sum(1))
-  assert int(np.asarray(traj.valid).sum(1).max()) <= 1024
+  assert decodes <= 4 and extends <= 8, (extends, decodes)
 
 
 def test_stop_rules_and_rewards(tok, model):

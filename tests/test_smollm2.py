@@ -82,8 +82,9 @@ def test_smollm2_answers_and_agrees_with_transformers(gguf_path, tmp_path):
   text = ("The history of the printing press begins in the fifteenth century, when Johannes "
           "Gutenberg combined movable metal type, oil-based ink and a wooden press adapted from "
           "wine making. Books became cheaper, literacy spread across Europe, and scientists "
-          "could share their results faster than ever before. Within fifty years, printing shops had "
-          "opened in more than two hundred cities, and millions of volumes were in circulation.")
+          "could share their results faster than ever before. Within fifty years, printing "
+          "shops had opened in more than two hundred cities, and millions of volumes were in "
+          "circulation.")
   ids = tok(text)["input_ids"][:64]
   assert len(ids) == 64
   reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path),
@@ -94,4 +95,4 @@ def test_smollm2_answers_and_agrees_with_transformers(gguf_path, tmp_path):
       model, jnp.array([ids], jnp.int32))[0])
   agreement = (ours.argmax(-1) == ref.argmax(-1)).mean()
   assert agreement >= 0.99, agreement
-  assert np.abs(ours - ref).max() < 1e-2
+  assert np.abs(ours - ref).max() < 1e-3  # measured 8e-5

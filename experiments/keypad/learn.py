@@ -16,8 +16,8 @@ Config arguments: `algo` = grpo | ppo (GAE with a critic) | reinforce_pp | rloo;
 `runlocal` = 2 steps of the same run (the CLI smoke test), with a checkpoint each step.
 
 Expected (2-core CPU, 1 device, 24 steps; experiments/keypad/README.md has the measured table):
-training success ~0.05 at step 1, >= 0.9 by step ~15-20, held-out greedy success 1.0 on 32
-test tasks; about 1-2 minutes per algorithm, a third of it compilation.
+training success 0.03-0.05 at step 1, >= 0.9 by step 13-16, held-out greedy success 1.0 on 32
+test tasks; under a minute of CPU per algorithm once compiled, 1-6 minutes wall on a busy machine.
 """
 
 from __future__ import annotations
