@@ -119,7 +119,7 @@ def summarize(
   order, score_matrix = to_task_matrix(task_ids, scores)
   _, pass_matrix = to_task_matrix(task_ids, passed)
   categories = categories or {}
-  labels = [categories.get(t, "other") for t in order]
+  labels = [categories.get(t) or "other" for t in order]
   seen = set(labels)
   columns = [c for c in category_order if c in seen]
   columns += sorted(seen - set(columns))

@@ -106,6 +106,17 @@ def test_summarize_without_categories_has_only_overall():
   assert summary["Overall"]["pass"] == pytest.approx(0.5)
 
 
+def test_summarize_treats_a_none_category_as_other():
+  # An environment without info["category"] maps its tasks to None; the table must still render.
+  summary = em.summarize([0, 1], [1.0, 0.0], [True, False], categories={0: None, 1: "a"})
+  assert list(summary) == ["a", "other", em.OVERALL]
+  assert summary["other"]["avg"] == 1.0 and summary["a"]["avg"] == 0.0
+  avg = {column: metrics["avg"] for column, metrics in summary.items()}
+  table = em.markdown_table([("m", avg)], list(summary))
+  assert table.splitlines()[0] == "| Model | a | other | Overall |"
+  assert table.splitlines()[2] == "| m | 0.00 | 100.00 | 50.00 |"
+
+
 def test_markdown_table_missing_values_and_avg_row():
   summary = {"x": {"pass": 0.5, "avg": 0.25, "n": 4}, "Overall": {"pass": 0.5, "avg": 0.25, "n": 4}}
   rows = em.summary_rows("m", summary)
