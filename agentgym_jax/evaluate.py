@@ -284,7 +284,7 @@ def main(argv: Sequence[str]) -> None:
                             top_p=config.rollout.top_p, top_k=config.rollout.top_k,
                             max_reply_tokens=pick("max_reply_tokens",
                                                   config.rollout.max_reply_tokens))
-  splits = environments.task_splits(config.env.name)
+  splits = environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
   if split not in splits:
     raise ValueError(f"Split {split!r} not in {config.env.name}'s splits {sorted(splits)}.")
   task_ids = splits[split][:num_tasks] if num_tasks else splits[split]

@@ -145,7 +145,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   #                               Tokenizer and environments                                   #
   ##############################################################################################
   tok = sources.load_tokenizer(config, workdir)
-  splits = environments.task_splits(config.env.name)
+  splits = environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
   stream = data.TaskStream(splits[config.data.split], config.seed)
   system_prompt = config.env.system_prompt or None
   sampling = SamplingConfig(temperature=config.rollout.temperature, top_p=config.rollout.top_p,

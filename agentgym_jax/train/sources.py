@@ -71,7 +71,8 @@ def load_tokenizer(config: ml_collections.ConfigDict, workdir: str | None) -> Ch
     if cached and os.path.exists(os.path.join(cached, "tokenizer.json")):
       return ChatTokenizer.from_pretrained(cached)
     vocab = int(spec.split(":", 1)[1])
-    split = environments.task_splits(config.env.name)[config.data.split]
+    splits = environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
+    split = splits[config.data.split]
     texts = environment_texts(config.env.name, dict(config.env.kwargs),
                               list(split[:config.tokenizer.bpe_tasks]))
     tok = ChatTokenizer.train_bpe(texts, vocab_size=vocab)
