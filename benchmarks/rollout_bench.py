@@ -36,18 +36,18 @@ if _THREADS.parse_known_args(sys.argv[1:])[0].jax_threads == 1:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
                              "false intra_op_parallelism_threads=1").strip()
 
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-import torch  # pylint: disable=wrong-import-position
-import transformers  # pylint: disable=wrong-import-position
-from flax import nnx  # pylint: disable=wrong-import-position
+import jax  # after the XLA flags above, like every import below
+import numpy as np
+import torch
+import transformers
+from flax import nnx
 
-from agentgym_jax.models import Decoder, ModelConfig, save_hf  # pylint: disable=wrong-import-position
-from agentgym_jax.rollout import SamplingConfig, run_episodes  # pylint: disable=wrong-import-position
-from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT  # pylint: disable=wrong-import-position
-from agentgym_jax.tokenization import ChatTokenizer  # pylint: disable=wrong-import-position
-from environments.scripted.env import BOXES, INSTRUCTION  # pylint: disable=wrong-import-position
-from environments.workers import EnvPool  # pylint: disable=wrong-import-position
+from agentgym_jax.models import Decoder, ModelConfig, save_hf
+from agentgym_jax.rollout import SamplingConfig, run_episodes
+from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT
+from agentgym_jax.tokenization import ChatTokenizer
+from environments.scripted.env import BOXES, INSTRUCTION
+from environments.workers import EnvPool
 
 
 def reference_rollout(hf_model, tok: ChatTokenizer, pool, task_ids, turns: int, reply: int

@@ -204,7 +204,8 @@ def test_cache_matches_reencoding_every_turn(tok, model):
   graphdef, state = nnx.split(model)
   traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 2, 3, 6], max_turns=3,
                              sampling=GREEDY, max_context=1024, rng=0, compact=False)
-  reference = _greedy_without_cache(model, tok, FakePool(), [1, 2, 3, 6], 3, GREEDY.max_reply_tokens)
+  reference = _greedy_without_cache(model, tok, FakePool(), [1, 2, 3, 6], 3,
+                                    GREEDY.max_reply_tokens)
   for row, want in enumerate(reference):
     n = int(np.asarray(traj.valid[row]).sum())
     got = np.asarray(traj.tokens[row, :n]).tolist()

@@ -260,7 +260,8 @@ def forward_cached(model, tokens: jax.Array, num_new: jax.Array, cache: DecodeCa
   positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
   cos, sin = rope_tables(backbone.cfg, positions)
   mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]
-  x = sharding.constrain(backbone._embed(tokens), ("batch", None, None))  # pylint: disable=protected-access
+  embed = backbone._embed  # pylint: disable=protected-access
+  x = sharding.constrain(embed(tokens), ("batch", None, None))
   ks, vs = [], []
   for block, k_buf, v_buf in zip(backbone.layers, cache.k, cache.v):
     q, k, v = block.project_qkv(x, cos, sin)
