@@ -229,20 +229,9 @@ def _text(name: str, observation: str) -> str:
   return "\n".join(sorted(observation.split("\n"))) if name == "sciworld" else observation
 
 
-def _available(name: str) -> bool:
-  try:
-    environments.env_class(name)
-    environments.task_splits(name)
-  except (ImportError, FileNotFoundError):
-    return False
-  return True
-
-
 @pytest.mark.parametrize("name", ["babyai", "textcraft", "searchqa",
                                   pytest.param("sciworld", marks=pytest.mark.slow)])
 def test_real_env_pool_equals_in_process(name):
-  if not _available(name):
-    pytest.skip(f"environment {name} is not installed")
   task_ids = environments.task_splits(name)["test"][:3]
   local = [environments.make(name) for _ in task_ids]
   try:
