@@ -19,6 +19,7 @@ server, `truncated` is always False: AgentGym's `done` folds truncation into ter
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from typing import Any
@@ -216,11 +217,10 @@ class RemoteEnv(TextEnv):
     """Frees the server-side instance and the connection pool. Idempotent."""
     instance_id, self.instance_id = self.instance_id, None
     try:
-      if instance_id is not None:
-        self._request("POST", "/close", self.protocol.close_body(instance_id))
-    except RemoteEnvError:
-      # The server is gone or already forgot the instance; there is nothing left to free.
-      pass
+      # A server that is gone or already forgot the instance leaves nothing to free.
+      with contextlib.suppress(RemoteEnvError):
+        if instance_id is not None:
+          self._request("POST", "/close", self.protocol.close_body(instance_id))
     finally:
       self._session.close()
 

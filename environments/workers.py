@@ -19,6 +19,7 @@ threads, which a forked child would inherit half-locked. This module never impor
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -81,10 +82,8 @@ def _build_env(env_spec: EnvSpec, env_kwargs: dict[str, Any]) -> TextEnv:
 
 def _close_quietly(env: TextEnv) -> None:
   # A broken simulator may fail to close too; the worker must carry on regardless.
-  try:
+  with contextlib.suppress(Exception):
     env.close()
-  except Exception:  # pylint: disable=broad-except
-    pass
 
 
 def _error_text(exc: BaseException) -> str:
@@ -259,20 +258,17 @@ class _Worker:
   def kill(self) -> str:
     """Kills the worker and its process group; returns how the worker had ended."""
     returncode = self.process.poll()
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # already gone
       os.killpg(self.process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-      pass
     self.process.wait()
     self.conn.close()
     return _describe_exit(returncode if returncode is not None else self.process.returncode)
 
   def close(self) -> None:
-    try:
+    # A worker that is already dead or does not exit in time is killed below either way.
+    with contextlib.suppress(OSError, ValueError, subprocess.TimeoutExpired):
       self.conn.send(("close", None))
       self.process.wait(_CLOSE_GRACE_S)
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-      pass
     self.kill()
 
 
