@@ -41,12 +41,12 @@ ACTIONS = {
     "textcraft": ["inventory", "get 1 oak log", "craft 4 oak planks using 1 oak log",
                   "get 2 stick", "inventory"],
     "sciworld": ["look around", "inventory", "open door to kitchen", "go to kitchen",
-                 "look at table", "go to hallway"],
+                 "look at table", "go to hallway", "task"],
 }
-ROUNDS = {"babyai": 20, "textcraft": 100, "sciworld": 6}
+ROUNDS = {"babyai": 20, "textcraft": 100, "sciworld": 10}
 # Threads per worker tried besides 1: SciWorld's steps wait on its JVMs, outside the GIL.
 THREADS = {"sciworld": 4}
-WARMUP = {"babyai": 2, "textcraft": 5, "sciworld": 6}
+WARMUP = {"babyai": 2, "textcraft": 5, "sciworld": 30}
 LEAN_JVM = "-XX:+UseSerialGC -Xms16m -Xmx512m -XX:TieredStopAtLevel=1 -Xss512k"
 
 
@@ -124,7 +124,10 @@ def main() -> None:
   parser.add_argument("--envs", default="babyai,textcraft,sciworld")
   parser.add_argument("--num-envs", type=int, default=64)
   parser.add_argument("--workers", default="1,2,4")
+  parser.add_argument("--sciworld-warmup", type=int, default=WARMUP["sciworld"])
+  parser.add_argument("--sciworld-threads", default="1,4")
   args = parser.parse_args()
+  WARMUP["sciworld"] = args.sciworld_warmup
   os.environ.setdefault("JAVA_TOOL_OPTIONS", LEAN_JVM)
   worker_counts = [int(w) for w in args.workers.split(",")]
   print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
@@ -138,7 +141,8 @@ def main() -> None:
     task_ids = [test_ids[i % len(test_ids)] for i in range(args.num_envs)]
     local_envs = [environments.make(name) for _ in task_ids]
     try:
-      for threads in (1, THREADS[name]) if name in THREADS else (1,):
+      thread_counts = [int(t) for t in args.sciworld_threads.split(",")] if name == "sciworld" else [1]
+      for threads in thread_counts:
         label = name if threads == 1 else f"  {threads} thr/w"
         cells, references = [], []
         for workers in worker_counts:

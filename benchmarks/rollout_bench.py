@@ -33,8 +33,8 @@ import time
 _THREADS = argparse.ArgumentParser(add_help=False)
 _THREADS.add_argument("--jax_threads", type=int, choices=(1, 2), default=1)
 if _THREADS.parse_known_args(sys.argv[1:])[0].jax_threads == 1:
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
-                             "false intra_op_parallelism_threads=1").strip()
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_cpu_multi_thread_eigen=false").strip()
 
 import jax  # after the XLA flags above, like every import below
 import numpy as np

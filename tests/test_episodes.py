@@ -297,7 +297,8 @@ def test_compaction_and_sharding_do_not_change_samples(tok, model, monkeypatch):
   assert plain.num_turns.tolist() == [1, 2, 1, 2]
   for other in (compacted, sharded):
     np.testing.assert_array_equal(other.tokens, plain.tokens)
-    np.testing.assert_allclose(other.sample_logprobs, plain.sample_logprobs, atol=1e-5)
+    # Other batch shapes sum attention in another order: float32 rounding, nothing more.
+    np.testing.assert_allclose(other.sample_logprobs, plain.sample_logprobs, atol=1e-4)
 
 
 def test_save_jsonl(tok, model, tmp_path):

@@ -175,7 +175,9 @@ def test_decode_cache_matches_model_extend(model):
     np.testing.assert_allclose(model.logits_from_hidden(hidden), ref_logits, atol=1e-5)
   np.testing.assert_array_equal(cache.lengths, ref_cache.lengths)
   for layer in range(CFG.num_layers):
-    np.testing.assert_allclose(cache.k[layer], ref_cache.k[layer], atol=1e-6)
+    # The sampler keeps keys transposed, slots last.
+    np.testing.assert_allclose(np.swapaxes(cache.k[layer], 2, 3), ref_cache.k[layer], atol=1e-6)
+    np.testing.assert_allclose(cache.v[layer], ref_cache.v[layer], atol=1e-6)
 
 
 def test_chunk_bucket():
@@ -183,6 +185,22 @@ def test_chunk_bucket():
       16, 16, 24, 32, 128, 192, 256, 512]
   assert [sampler.cache_bucket(n, 1152) for n in (0, 300, 1024, 1100, 5000)] == [
       256, 512, 1024, 1152, 1152]
+
+
+def test_chunk_pieces():
+  assert sampler.chunk_pieces(0) == []
+  assert sampler.chunk_pieces(16) == [(16, 16)]
+  assert sampler.chunk_pieces(17) == [(17, 24)]  # pads 7 <= 16: one call
+  assert sampler.chunk_pieces(67) == [(64, 64), (3, 16)]  # 96 would pad 29
+  assert sampler.chunk_pieces(190) == [(190, 192)]
+  assert sampler.chunk_pieces(1500) == [(512, 512), (512, 512), (384, 384), (92, 96)]
+  # No call takes more than max_piece tokens, even when its bucket is wider.
+  assert sampler.chunk_pieces(700, max_piece=500) == [(500, 512), (192, 192), (8, 16)]
+  for n in range(1, 700):
+    pieces = sampler.chunk_pieces(n)
+    assert sum(t for t, _ in pieces) == n
+    assert all(t <= w == sampler.chunk_bucket(w) for t, w in pieces)
+    assert sum(w for _, w in pieces) - n <= 16 * len(pieces)
 
 
 @pytest.mark.parametrize("t", [1, 24, 96])
@@ -195,5 +213,5 @@ def test_cached_attention_equals_model_attention(t):
   v = jax.random.normal(keys[2], (b, kh, s, dh))
   positions = jnp.arange(b)[:, None] * 40 + jnp.arange(t)[None]
   mask = jnp.arange(s)[None, None] <= positions[:, :, None]
-  np.testing.assert_allclose(jax.jit(sampler.cached_attention)(q, k, v, mask),
+  np.testing.assert_allclose(jax.jit(sampler.cached_attention)(q, k.swapaxes(2, 3), v, mask),
                              jax.jit(attention)(q, k, v, mask), atol=1e-5)

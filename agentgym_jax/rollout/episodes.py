@@ -93,17 +93,13 @@ class _Batch:
 
   def extend(self, chunks: list[list[int]], starts: np.ndarray, max_chunk: int, pad_id: int
              ) -> None:
-    """Appends chunks[row] to every row (pieces of at most max_chunk tokens).
+    """Appends chunks[row] to every row, in calls of `sampler.chunk_pieces` widths.
 
     `starts[row]` is how many tokens the row holds before (known on the host).
     """
     offset = 0
-    while True:
-      pieces = [c[offset:offset + max_chunk] for c in chunks]
-      longest = max(len(p) for p in pieces)
-      if longest == 0:
-        return
-      width = sampler.chunk_bucket(longest)
+    for count, width in sampler.chunk_pieces(max(len(c) for c in chunks), max_chunk):
+      pieces = [c[offset:offset + count] for c in chunks]
       tokens = np.full((self.rows, width), pad_id, np.int32)
       for row, piece in enumerate(pieces):
         tokens[row, :len(piece)] = piece
@@ -114,7 +110,7 @@ class _Batch:
         self.cache, self.logits = sampler.extend(
             self.graphdef, self.state, self.cache, self.logits, self._put(tokens),
             self._put(num_new))
-      offset += max_chunk
+      offset += count
 
   def decode(self, active: np.ndarray, keys: jax.Array, caps: np.ndarray, reach: int,
              end_ids: tuple[int, ...], sampling: SamplingConfig):
@@ -173,7 +169,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     mesh: shard the batch over its (data, fsdp) axes.
     acknowledgement: the agent's canned reply to the instruction; default: the environment's
       (`info["acknowledgement"]`, else the pool's env class attribute, else AgentGym's).
-    max_chunk: longest chunk appended in one extend call (longer ones are split).
+    max_chunk: most tokens of a chunk appended in one extend call (longer ones are split).
     compact: shrink the batch when at most half the rows are still running.
     grow_cache: start the KV cache at 256 slots and double it as rows need (fastest: a decode
       step reads the whole cache); False allocates `max_context` slots at once (one cache

@@ -9,7 +9,7 @@ The two compiled programs of a rollout:
   agent turn for every active row inside ONE `lax.while_loop`: sample, feed the token back,
   repeat until every row has produced an end-of-turn token or reached its cap.
 
-Static shapes: the caller buckets the chunk length T (`chunk_bucket`) and the cache length
+Static shapes: the caller buckets the chunk length T (`chunk_pieces`) and the cache length
 (`cache_bucket`: powers of two from 256, `DecodeCache.grow` pads the cache to the next one when
 the rows need it), so a run compiles each program a handful of times. The cache grows instead of
 being allocated at the context limit because decoding a small model is bound by reading the
@@ -39,7 +39,7 @@ from flax import nnx, struct
 
 from agentgym_jax import sharding
 from agentgym_jax.models import ModelConfig
-from agentgym_jax.models.decoder import attention, rope_tables
+from agentgym_jax.models.decoder import rope_tables
 
 _NEG_INF = -1e30
 
@@ -86,6 +86,34 @@ def chunk_bucket(n: int, minimum: int = 16) -> int:
       return size
     if size * 3 // 2 >= n:
       return size * 3 // 2
+    size *= 2
+
+
+def chunk_pieces(n: int, max_piece: int = 512, max_padding: int = 16) -> list[tuple[int, int]]:
+  """How to append `n` tokens in extend calls: (tokens, width) per call, width a `chunk_bucket`.
+
+  One call when its bucket pads at most `max_padding` tokens; otherwise the largest bucket
+  that fits goes first and the rest follows (67 tokens: 64 + 16 instead of 96, a sixth less
+  attention work for one more call). No call takes more than `max_piece` tokens.
+  """
+  pieces = []
+  while n > 0:
+    take = min(n, max_piece)
+    width = chunk_bucket(take)
+    if width - take > max_padding:
+      # take > max_padding >= 16 here, so a bucket <= take exists.
+      width = take = max(_buckets_up_to(take))
+    pieces.append((take, width))
+    n -= take
+  return pieces
+
+
+def _buckets_up_to(n: int, minimum: int = 16):
+  size = minimum
+  while size <= n:
+    yield size
+    if size * 3 // 2 <= n:
+      yield size * 3 // 2
     size *= 2
 
 
@@ -163,8 +191,13 @@ class DecodeCache:
   Separate per-layer buffers are updated in place and read without copies: 2-4x faster decode
   steps measured on the rollout benchmark's model (B 32, S 256-2048).
 
+  Keys are stored transposed, slots last: a decode step's scores q . k then reduce over the
+  head dimension while vectorising over the slots, 2.3x faster than reducing the 16-128
+  elements of each key on XLA:CPU (B 32, S 1024, head_dim 16).
+
   Attributes:
-    k, v: tuples of num_layers arrays [B, num_kv_heads, S, head_dim] (RoPE applied to k).
+    k: tuple of num_layers arrays [B, num_kv_heads, head_dim, S] (RoPE applied).
+    v: tuple of num_layers arrays [B, num_kv_heads, S, head_dim].
     lengths: [B] int32, slots 0..lengths[b]-1 of row b hold real tokens.
   """
 
@@ -176,14 +209,15 @@ class DecodeCache:
   def init(cls, cfg: ModelConfig, batch_size: int, max_len: int,
            dtype: jnp.dtype = jnp.float32) -> DecodeCache:
     """An empty cache of `max_len` slots per row."""
-    shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
-    return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-               v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+    k_shape = (batch_size, cfg.num_kv_heads, cfg.head_dim, max_len)
+    v_shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
+    return cls(k=tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers)),
+               v=tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers)),
                lengths=jnp.zeros((batch_size,), jnp.int32))
 
   @property
   def max_len(self) -> int:
-    return self.k[0].shape[2]
+    return self.v[0].shape[2]
 
   @property
   def batch_size(self) -> int:
@@ -196,54 +230,84 @@ class DecodeCache:
 
 @functools.partial(jax.jit, static_argnames=("max_len",))
 def _grow(cache: DecodeCache, max_len: int) -> DecodeCache:
-  pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, max_len - x.shape[2]), (0, 0)))
-  return DecodeCache(k=tuple(map(pad, cache.k)), v=tuple(map(pad, cache.v)),
+  extra = max_len - cache.max_len
+  pad_k = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, extra)))
+  pad_v = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0)))
+  return DecodeCache(k=tuple(map(pad_k, cache.k)), v=tuple(map(pad_v, cache.v)),
                      lengths=cache.lengths)
 
 
-def _write(buf: jax.Array, new: jax.Array, starts: jax.Array) -> jax.Array:
-  """Writes new [B, T, K, Dh] into buf [B, K, S, Dh] at slots starts[b] + t (past S: dropped)."""
+def _write(buf: jax.Array, new: jax.Array, starts: jax.Array, slot_axis: int) -> jax.Array:
+  """Writes new [B, T, K, Dh] into buf at slots starts[b] + t (past the end: dropped).
+
+  buf is [B, K, S, Dh] (slot_axis 2) or [B, K, Dh, S] (slot_axis 3); either way the indexed
+  update takes its values as [B, T, K, Dh].
+  """
   b, t = new.shape[:2]
   rows = jnp.arange(b)[:, None]
   slots = starts[:, None] + jnp.arange(t)[None, :]
-  return buf.at[rows, :, slots].set(new.astype(buf.dtype), mode="drop")
+  index = (rows, slice(None), slots) if slot_axis == 2 else (rows, slice(None), slice(None), slots)
+  return buf.at[index].set(new.astype(buf.dtype), mode="drop")
 
 
 # Elements of one attention-score block: about 4 MB of float32 stays in cache. One [B, H, T, S]
 # score tensor for a whole observation chunk is tens of MB; on XLA:CPU computing it in query
 # blocks of this size made an extend 6-8x faster (B 32, T 96, S 1024).
 _SCORE_BLOCK = 1 << 20
+# Slots per partial sum of a decode step's probs . v (see `cached_attention`).
+_SLOT_GROUP = 64
+
+
+def _attention_block(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """`models.decoder.attention` with transposed keys k [B, K, Dh, S]; [B, T, K * G * Dh]."""
+  b, t, kh, g, dh = q.shape
+  s = k.shape[3]
+  rows = q.transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, dh)
+  scores = jnp.einsum("bkqd,bkds->bkqs", rows, k, preferred_element_type=jnp.float32)
+  mask = jnp.broadcast_to(mask[:, None, None], (b, 1, g, t, s)).reshape(b, 1, g * t, s)
+  scores = jnp.where(mask, scores * (dh ** -0.5), _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, kh, g, t, dh)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kh * g * dh)
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
   """`models.decoder.attention` for queries against a cache, arranged for speed.
 
   Args:
-    q: [B, T, K, G, Dh] queries; k, v: [B, K, S, Dh]; mask: [B, T, S] bool.
+    q: [B, T, K, G, Dh] queries; k: [B, K, Dh, S] (transposed keys); v: [B, K, S, Dh];
+    mask: [B, T, S] bool.
 
   Returns:
-    [B, T, K * G * Dh], equal to `attention(q, k, v, mask)`.
+    [B, T, K * G * Dh], equal to `attention(q, k.swapaxes(2, 3), v, mask)`.
   """
   b, t, kh, g, dh = q.shape
   if t == 1:
-    # One query per row: a multiply-and-reduce streams the cache once (2.5x faster than the
-    # batched matmul with its 1-row operands on XLA:CPU).
+    # One query per row: multiply-and-reduce, never a batched matmul with 1-row operands
+    # (2.5x slower on XLA:CPU). Scores reduce over the head dimension, vectorised over the
+    # slots of the transposed keys.
     f32 = jnp.float32
-    scores = jnp.sum(q[:, 0, :, :, None, :].astype(f32) * k[:, :, None].astype(f32), axis=-1)
+    scores = jnp.sum(q[:, 0, :, :, :, None].astype(f32) * k[:, :, None].astype(f32), axis=3)
     scores = jnp.where(mask[:, 0, None, None, :], scores * (dh ** -0.5), _NEG_INF)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.sum(probs[..., None] * v[:, :, None].astype(f32), axis=3)
+    # probs . v summed over the slots in two stages, groups of _SLOT_GROUP first: 1.3x faster
+    # decode steps at 1024 slots than one reduction over all of them on XLA:CPU.
+    slots = v.shape[2]
+    group = _SLOT_GROUP if slots % _SLOT_GROUP == 0 else slots
+    probs = probs.reshape(b, kh, g, slots // group, group, 1)
+    values = v.reshape(b, kh, 1, slots // group, group, dh).astype(f32)
+    out = jnp.sum(jnp.sum(probs * values, axis=4), axis=3)
     return out.astype(v.dtype).reshape(b, 1, kh * g * dh)
   # Query block: the largest power of two dividing T whose scores fit in _SCORE_BLOCK.
-  block, per_query = 1, b * kh * g * k.shape[2]
+  block, per_query = 1, b * kh * g * k.shape[3]
   while t % (block * 2) == 0 and per_query * block * 2 <= _SCORE_BLOCK:
     block *= 2
   if block == t:
-    return attention(q, k, v, mask)
+    return _attention_block(q, k, v, mask)
   n = t // block
   q_blocks = q.reshape(b, n, block, kh, g, dh).swapaxes(0, 1)
   mask_blocks = mask.reshape(b, n, block, -1).swapaxes(0, 1)
-  out = jax.lax.map(lambda qm: attention(qm[0], k, v, qm[1]), (q_blocks, mask_blocks))
+  out = jax.lax.map(lambda qm: _attention_block(qm[0], k, v, qm[1]), (q_blocks, mask_blocks))
   return out.swapaxes(0, 1).reshape(b, t, kh * g * dh)
 
 
@@ -265,7 +329,7 @@ def forward_cached(model, tokens: jax.Array, num_new: jax.Array, cache: DecodeCa
   ks, vs = [], []
   for block, k_buf, v_buf in zip(backbone.layers, cache.k, cache.v):
     q, k, v = block.project_qkv(x, cos, sin)
-    k_buf, v_buf = _write(k_buf, k, starts), _write(v_buf, v, starts)
+    k_buf, v_buf = _write(k_buf, k, starts, slot_axis=3), _write(v_buf, v, starts, slot_axis=2)
     out = cached_attention(q, k_buf.astype(q.dtype), v_buf.astype(q.dtype), mask)
     x = sharding.constrain(block.finish(x, out), ("batch", None, None))
     ks.append(k_buf)
