@@ -34,8 +34,8 @@ def multi_turn_batch(batch: int, length: int, seed: int = 0):
   rng = np.random.default_rng(seed)
   mask = np.zeros((batch, length), np.float32)
   for b in range(batch):
-    t = int(rng.integers(64, 256))
-    end = length - int(rng.integers(0, 512))
+    t = int(rng.integers(64, 256)) % (length // 4)
+    end = length - int(rng.integers(0, length // 8))
     while t < end:
       n = int(rng.integers(32, 200))
       mask[b, t:min(t + n, end)] = 1
@@ -106,6 +106,8 @@ def main():
   parser.add_argument("--ref-repeats", type=int, default=5)
   parser.add_argument("--associative", action="store_true")
   args = parser.parse_args()
+  if args.length < 256:
+    parser.error(f"--length {args.length}: use at least 256 tokens, room for a few turns.")
   gamma, lam = 1.0, 0.95
 
   rewards, values, mask = multi_turn_batch(args.batch, args.length)

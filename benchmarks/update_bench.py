@@ -109,6 +109,9 @@ def main():
   parser.add_argument("--vocab", type=int, default=4096)
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
+  if args.rows % jax.device_count():
+    parser.error(f"--rows {args.rows} must be a multiple of the {jax.device_count()} JAX "
+                 "devices: the batch is split over them.")
 
   cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden,
                     intermediate_size=args.hidden * 11 // 4, num_layers=args.layers,

@@ -1,0 +1,46 @@
+"""Every benchmark script runs end to end on a tiny workload and ends with its result line.
+
+The numbers of such small runs mean nothing; what is tested is that the scripts, the README's
+commands, still work: both contestants run, agree where the script checks agreement, and the
+last line is `ratio: <value>` (`peak RSS: <value> MiB` for the memory benchmark).
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RATIO = r"ratio: (\d+\.\d+)"
+
+CASES = [
+    pytest.param("gae_bench.py", ["--batch", "4", "--length", "512", "--repeats", "2",
+                                  "--ref-repeats", "1"], RATIO, id="gae"),
+    pytest.param("update_bench.py", ["--rows", "8", "--length", "64", "--hidden", "32",
+                                     "--layers", "1", "--vocab", "256", "--repeats", "1"],
+                 RATIO, id="update"),
+    pytest.param("rollout_bench.py", ["--episodes", "2", "--turns", "2", "--reply", "4",
+                                      "--repeats", "1"], RATIO, id="rollout"),
+    # Without SciWorld there is no 2-worker SciWorld ratio to report: the line says nan.
+    pytest.param("env_bench.py", ["--envs", "babyai,textcraft", "--num-envs", "4",
+                                  "--workers", "1,2"], r"ratio: nan", id="env"),
+    pytest.param("model_bench.py", ["--sizes", "3M", "--rounds", "1", "--steps", "1"], RATIO,
+                 id="model", marks=pytest.mark.slow),
+    pytest.param("env_bench.py", ["--envs", "sciworld", "--num-envs", "2", "--workers", "2",
+                                  "--sciworld-warmup", "1"], RATIO, id="env-sciworld",
+                 marks=pytest.mark.slow),
+    pytest.param("sciworld_step.py", [], RATIO, id="sciworld-step", marks=pytest.mark.slow),
+    pytest.param("memory_bench.py", [], r"peak RSS: \d+ MiB", id="memory",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("script,args,last_line", CASES)
+def test_benchmark_runs(script, args, last_line):
+  result = subprocess.run([sys.executable, os.path.join("benchmarks", script), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stdout.strip().splitlines()
+  assert lines and re.fullmatch(last_line, lines[-1]), result.stdout[-3000:]
