@@ -124,6 +124,7 @@ def evaluate_policy(
     chunk_tasks: int = 0,
     system_prompt: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    replicas: int = 1,
     pass_criterion: str = "score>0",
     ks: Sequence[int] = (1,),
     episodes_path: str | None = None,
@@ -144,6 +145,7 @@ def evaluate_policy(
     chunk_tasks: tasks per rollout call (memory bound: rows = chunk_tasks * n); 0 = all.
     system_prompt: system message (None: the chat template's default).
     mesh: shard rollout rows over its data axes.
+    replicas: independent rollout batches (`run_episodes`).
     pass_criterion: "score>0" (upstream) or "success".
     ks: Pass@k estimates to add (k > n are skipped).
     episodes_path: write every episode as JSONL here.
@@ -161,7 +163,8 @@ def evaluate_policy(
     traj, stats = run_episodes(
         graphdef, state, tok, recorder, task_ids[start:start + chunk], group_size=num_samples,
         max_turns=max_turns, sampling=sampling, max_context=max_context,
-        rng=jax.random.fold_in(key, c), system_prompt=system_prompt, mesh=mesh)
+        rng=jax.random.fold_in(key, c), system_prompt=system_prompt, mesh=mesh,
+        replicas=replicas)
     episodes.extend(stats["episodes"])
     if episodes_path:
       _append_jsonl(episodes_path, traj, tok.decode, stats["episodes"])
@@ -308,7 +311,7 @@ def main(argv: Sequence[str]) -> None:
         # The rows a training step rolls out at once are known to fit in memory.
         chunk_tasks=max(1, config.data.batch_tasks * config.data.group_size // num_samples),
         system_prompt=config.env.system_prompt or None, mesh=mesh,
-        pass_criterion=_FLAGS["pass_criterion"].value, ks=[int(k) for k in _FLAGS["pass_k"].value],
+        replicas=config.rollout.replicas, pass_criterion=_FLAGS["pass_criterion"].value, ks=[int(k) for k in _FLAGS["pass_k"].value],
         episodes_path=os.path.join(output, f"episodes_{split}.jsonl") if writer else None)
   settings["seconds"] = round(time.perf_counter() - start, 1)
   if writer:

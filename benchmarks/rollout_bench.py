@@ -13,10 +13,11 @@ tokens), replies of up to R tokens sampled at temperature 1, one tiny random Lla
 Both step the same environments through the same EnvPool and run once untimed first (JIT
 compilation, allocator warm-up). Threads: on a busy 2-core machine one intra-op thread beats two
 for both runtimes, so XLA runs single-threaded (`--jax_threads 2` for XLA's default thread
-pool) and torch gets 1 or 2 threads, whichever is faster at the time. Timed runs alternate
-between the runners, and the best of each counts. Prints tokens/s of each, their ratio, and
-each runner's turn-T / turn-1 time ratio; the last line is
-`ratio: <ours / reference tokens per second>`.
+pool) and torch gets 1 or 2 threads, whichever is faster at the time. Also timed: ours with
+the episodes split over `--replicas` CPU devices (default: one per core), which is how
+`run_episodes` uses several cores. Timed runs alternate between the runners, and the best of
+each counts. Prints tokens/s of each, their ratio, and each runner's turn-T / turn-1 time
+ratio; the last line is `ratio: <ours (one device) / reference tokens per second>`.
 
     .venv/bin/python benchmarks/rollout_bench.py [--episodes 32 --turns 8 --reply 32]
 """
@@ -29,12 +30,17 @@ import sys
 import tempfile
 import time
 
-# XLA reads its flags once, when jax is imported: pick the thread count before that.
-_THREADS = argparse.ArgumentParser(add_help=False)
-_THREADS.add_argument("--jax_threads", type=int, choices=(1, 2), default=1)
-if _THREADS.parse_known_args(sys.argv[1:])[0].jax_threads == 1:
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                             + " --xla_cpu_multi_thread_eigen=false").strip()
+# XLA reads its flags once, when jax is imported: threads and CPU devices are set before that.
+_XLA = argparse.ArgumentParser(add_help=False)
+_XLA.add_argument("--jax_threads", type=int, choices=(1, 2), default=1)
+_XLA.add_argument("--replicas", type=int, default=os.cpu_count() or 1)
+_XLA_ARGS = _XLA.parse_known_args(sys.argv[1:])[0]
+_FLAGS = os.environ.get("XLA_FLAGS", "")
+if _XLA_ARGS.jax_threads == 1:
+  _FLAGS += " --xla_cpu_multi_thread_eigen=false"
+if "xla_force_host_platform_device_count" not in _FLAGS:
+  _FLAGS += f" --xla_force_host_platform_device_count={_XLA_ARGS.replicas}"
+os.environ["XLA_FLAGS"] = _FLAGS.strip()
 
 import jax  # after the XLA flags above, like every import below
 import numpy as np
@@ -116,6 +122,8 @@ def main():
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--jax_threads", type=int, choices=(1, 2), default=1,
                       help="XLA intra-op threads (read before jax is imported)")
+  parser.add_argument("--replicas", type=int, default=os.cpu_count() or 1,
+                      help="CPU devices (one replica each) of the last 'ours' run")
   args = parser.parse_args()
 
   corpus = [INSTRUCTION, " ".join(BOXES), "the room is quiet and the light is dim"] * 20
@@ -145,11 +153,13 @@ def main():
     need += args.turns * (args.reply + 1 + obs_tokens + 16) + args.reply
     max_context = -(-need // 128) * 128
 
-    def ours(seed, grow_cache=True):
+    replicas = min(args.replicas, jax.local_device_count())
+
+    def ours(seed, grow_cache=True, replicas=1):
       start = time.perf_counter()
       traj, stats = run_episodes(graphdef, state, tok, pool, task_ids, max_turns=args.turns,
                                  sampling=sampling, max_context=max_context, rng=seed,
-                                 grow_cache=grow_cache)
+                                 grow_cache=grow_cache, replicas=replicas)
       seconds = time.perf_counter() - start
       assert (traj.num_turns == args.turns).all(), "episodes ended early; use more max_steps"
       return stats["rollout/sampled_tokens"], seconds, stats["turn_seconds"]
@@ -162,16 +172,18 @@ def main():
     start = time.perf_counter()
     ours(0)
     ours(0, grow_cache=False)
+    ours(0, replicas=replicas)
     print(f"ours: first runs (incl. compilation) {time.perf_counter() - start:.1f} s")
     torch.manual_seed(0)
     reference_rollout(hf_model, tok, pool, task_ids, 1, args.reply)  # warm-up
     threads = pick_torch_threads(hf_model, tok.vocab_size, args.episodes, args.reply)
     print(f"reference: torch with {threads} thread(s)")
     # Interleaved repeats, best of each: the machine is shared, so load comes and goes.
-    runs = {"ours": [], "ours_fixed": [], "reference": []}
+    runs = {"ours": [], "ours_fixed": [], "ours_replicas": [], "reference": []}
     for repeat in range(args.repeats):
       runs["ours"].append(ours(1 + repeat))
       runs["ours_fixed"].append(ours(1 + repeat, grow_cache=False))
+      runs["ours_replicas"].append(ours(1 + repeat, replicas=replicas))
       runs["reference"].append(reference())
 
   print(f"workload: {args.episodes} episodes x {args.turns} turns x <= {args.reply} tokens, "
@@ -180,6 +192,7 @@ def main():
   for name, label in (
       ("ours", "ours (KV cache across turns, grown as needed)"),
       ("ours_fixed", "ours (KV cache across turns, max_context slots)"),
+      ("ours_replicas", f"ours ({replicas} replicas, one CPU device each)"),
       ("reference", "reference (transformers generate, re-encode per turn)")):
     tps[name] = max(tokens / seconds for tokens, seconds, _ in runs[name])
     # Per turn, the fastest over the repeats: single turns are short and load is bursty.
@@ -187,6 +200,8 @@ def main():
     print(f"{label}: {tps[name]:.0f} tokens/s; turn 1 {turns[0] * 1e3:.0f} ms, "
           f"turn {len(turns)} {turns[-1] * 1e3:.0f} ms "
           f"(turn {len(turns)}/turn 1 = {turns[-1] / turns[0]:.2f})")
+  print(f"ours with {replicas} replicas / reference: "
+        f"{tps['ours_replicas'] / tps['reference']:.2f}")
   print(f"ratio: {tps['ours'] / tps['reference']:.2f}")
 
 

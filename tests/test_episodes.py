@@ -294,11 +294,37 @@ def test_compaction_and_sharding_do_not_change_samples(tok, model, monkeypatch):
   assert [len(active) for active, _, _ in calls] == [4, 2]
   mesh = make_mesh([("data", -1), ("fsdp", 1), ("tensor", 1)], devices=jax.devices()[:4])
   sharded = run(compact=True, mesh=mesh)
+  calls.clear()
+  devices = []
+  spied = sampler.decode
+  monkeypatch.setattr(sampler, "decode", lambda *args, **kwargs: devices.append(
+      args[2].lengths.sharding.device_set) or spied(*args, **kwargs))
+  # Two replicas of 2 rows each, on 2 local devices; then each on half of the 4-device mesh.
+  replicas = run(compact=True, replicas=2)
+  assert sorted(len(active) for active, _, _ in calls) == [1, 1, 2, 2]  # each compacts alone
+  assert devices[:2] == [{d} for d in jax.local_devices()[:2]]
+  replicas_on_mesh = run(compact=True, mesh=mesh, replicas=2)
   assert plain.num_turns.tolist() == [1, 2, 1, 2]
-  for other in (compacted, sharded):
+  for other in (compacted, sharded, replicas, replicas_on_mesh):
     np.testing.assert_array_equal(other.tokens, plain.tokens)
     # Other batch shapes sum attention in another order: float32 rounding, nothing more.
     np.testing.assert_allclose(other.sample_logprobs, plain.sample_logprobs, atol=1e-4)
+
+
+def test_replicas_must_fit_the_devices(tok, model):
+  graphdef, state = nnx.split(model)
+  run = lambda **kw: run_episodes(graphdef, state, tok, FakePool(), [0, 1], max_turns=1,
+                                  sampling=SAMPLING, max_context=1024, **kw)
+  with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
+    run(replicas=len(jax.local_devices()) + 1)
+  mesh = make_mesh([("data", -1), ("fsdp", 1), ("tensor", 1)], devices=jax.devices()[:4])
+  with pytest.raises(ValueError, match="must divide the mesh's data axis"):
+    run(mesh=mesh, replicas=3)
+  with pytest.raises(ValueError, match="replicas must be >= 1"):
+    run(replicas=0)
+  # More replicas than episodes: the empty ones are skipped.
+  traj, _ = run(replicas=4)
+  assert traj.num_turns.tolist() == [1, 1]
 
 
 def test_save_jsonl(tok, model, tmp_path):

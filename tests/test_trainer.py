@@ -159,6 +159,13 @@ def test_batch_layout_is_checked_before_anything_runs():
   c.algo.minibatches, c.algo.microbatches = 2, 2
   with pytest.raises(ValueError, match="6 rows per step must be divisible"):
     loop.check_batch_layout(c, sharding.make_mesh(c.mesh))
+  c.algo.minibatches, c.algo.microbatches = 1, 1
+  c.data.batch_tasks, c.data.group_size = 8, 1
+  c.rollout.replicas = 3  # the default mesh puts all 8 test devices on the data axis
+  with pytest.raises(ValueError, match="rollout.replicas = 3 must be >= 1 and divide"):
+    loop.check_batch_layout(c, sharding.make_mesh(c.mesh))
+  c.rollout.replicas = 4
+  loop.check_batch_layout(c, sharding.make_mesh(c.mesh))
 
 
 def test_kl_in_reward_and_dr_grpo_advantages():

@@ -13,8 +13,16 @@ appended (no later agent token would use it). Finished episodes leave the active
 most half the rows are still running the cache is compacted to a batch half the size (a few
 more compilations, then every decode step is cheaper).
 
+Replicas: with `replicas=R` the episodes are split into R groups, each a batch of its own on
+its own slice of the mesh's data axis (or on one local device each, without a mesh). The
+groups' calls are dispatched back to back and run concurrently, and each decode loop stops
+when ITS rows are done, with no synchronisation between the groups at every sampled token
+(which one SPMD program over all devices needs to decide whether any row is still running).
+On a multi-core CPU host expose the cores as devices
+(`XLA_FLAGS=--xla_force_host_platform_device_count=N`) and use `replicas=N`.
+
 Randomness: episode e draws with key fold_in(fold_in(split(rng, B)[e], turn), step), so its
-samples do not depend on which other episodes share the batch or on compaction.
+samples do not depend on which other episodes share the batch, on compaction or on replicas.
 """
 
 from __future__ import annotations
@@ -30,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from agentgym_jax import sharding
 from agentgym_jax.rollout import sampler
@@ -56,10 +65,45 @@ def _turn_keys(keys: jax.Array, turn: jax.Array) -> jax.Array:
 
 
 @jax.jit
-def _take_rows(cache: DecodeCache, logits: jax.Array, rows: jax.Array
-               ) -> tuple[DecodeCache, jax.Array]:
-  """Gathers rows `rows` [B'] of the cache and the pending logits (compaction)."""
-  return jax.tree.map(lambda x: x[rows], (cache, logits))
+def _take_rows(tree: Any, rows: jax.Array) -> Any:
+  """Gathers rows `rows` [B'] of every array in `tree` (compaction)."""
+  return jax.tree.map(lambda x: x[rows], tree)
+
+
+def _replica_meshes(mesh: Mesh | None, replicas: int) -> list[Mesh | None]:
+  """The device groups of `replicas` independent batches: slices of the mesh's data axis."""
+  if replicas < 1:
+    raise ValueError(f"replicas must be >= 1, got {replicas}.")
+  if replicas == 1:
+    return [mesh]
+  if mesh is None:
+    devices = jax.local_devices()
+    if len(devices) < replicas:
+      raise ValueError(
+          f"replicas={replicas} needs as many local devices, found {len(devices)}. On a CPU "
+          f"host, XLA_FLAGS=--xla_force_host_platform_device_count={replicas} (set before jax "
+          "is imported) exposes the cores as devices.")
+    mesh = sharding.make_mesh([("data", replicas), ("fsdp", 1), ("tensor", 1)],
+                              devices[:replicas])
+  axis = mesh.axis_names.index("data") if "data" in mesh.axis_names else -1
+  if axis < 0 or mesh.devices.shape[axis] % replicas:
+    raise ValueError(f"replicas={replicas} must divide the mesh's data axis, got mesh "
+                     f"{dict(mesh.shape)}.")
+  return [Mesh(part, mesh.axis_names, axis_types=mesh.axis_types)
+          for part in np.split(mesh.devices, replicas, axis=axis)]
+
+
+def _state_on(state: nnx.State, mesh: Mesh) -> nnx.State:
+  """The parameters copied onto a replica's mesh, each with its own partition spec."""
+  def put(x):
+    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
+    return jax.device_put(x, NamedSharding(mesh, spec))
+  return jax.tree.map(put, state)
+
+
+def _shards(mesh: Mesh | None) -> int:
+  """How many ways a batch on `mesh` splits its rows (row counts are kept a multiple)."""
+  return 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in sharding.BATCH_AXES)
 
 
 class _Batch:
@@ -73,10 +117,25 @@ class _Batch:
     self.cache = self._put(DecodeCache.init(cfg, rows, length, cache_dtype))
     self.logits = self._put(jnp.zeros((rows, cfg.vocab_size), jnp.float32))
     self.episode_of_row = np.full((rows,), -1, np.int64)
+    self.keys = None
+
+  def assign(self, episodes: np.ndarray, keys: jax.Array) -> None:
+    """Puts `episodes` in the first rows, with their PRNG keys (`keys[e]` for episode e).
+
+    The keys live with the rows: each turn's keys are then derived on this batch's own
+    devices, never queued behind another replica's work on the default device.
+    """
+    self.episode_of_row[:len(episodes)] = episodes
+    # Rows without an episode take episode 0's key; they are inactive and sample nothing.
+    self.keys = self._put(keys[np.maximum(self.episode_of_row, 0)])
 
   @property
   def rows(self) -> int:
     return self.episode_of_row.shape[0]
+
+  @property
+  def shards(self) -> int:
+    return _shards(self.mesh)
 
   def _put(self, tree):
     # Every array here has the batch first: split it over the mesh's (data, fsdp) axes.
@@ -114,19 +173,23 @@ class _Batch:
 
   def decode(self, active: np.ndarray, keys: jax.Array, caps: np.ndarray, reach: int,
              end_ids: tuple[int, ...], sampling: SamplingConfig):
-    """Samples a turn for the active rows; `reach` bounds every row's length afterwards."""
+    """Starts sampling a turn for the active rows; `reach` bounds every row's length after.
+
+    Returns (tokens, logprobs, counts) as device arrays, still being computed: the caller
+    fetches them once every replica's turn has been dispatched.
+    """
     self._fit(reach)
     with self._mesh_context():
       self.cache, tokens, logprobs, counts = sampler.decode(
           self.graphdef, self.state, self.cache, self.logits, self._put(active),
           self._put(keys), self._put(caps), end_ids, sampling)
-    return jax.device_get((tokens, logprobs, counts))
+    return tokens, logprobs, counts
 
   def compact(self, keep: np.ndarray, rows: int) -> None:
     """Keeps rows `keep` (in order) in a batch of `rows` rows."""
     order = np.concatenate([keep, np.setdiff1d(np.arange(self.rows), keep)])[:rows]
-    self.cache, self.logits = _take_rows(self.cache, self.logits, self._put(order))
-    self.cache, self.logits = self._put(self.cache), self._put(self.logits)
+    state = _take_rows((self.cache, self.logits, self.keys), self._put(order))
+    self.cache, self.logits, self.keys = self._put(state)
     self.episode_of_row = np.where(np.arange(rows) < len(keep), self.episode_of_row[order], -1)
 
 
@@ -149,8 +212,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
                  sampling: SamplingConfig = SamplingConfig(), max_context: int = 4096,
                  rng: Any = 0, system_prompt: str | None = None, mesh: Mesh | None = None,
                  acknowledgement: str | None = None, max_chunk: int = 512,
-                 compact: bool = True, grow_cache: bool = True, cache_dtype=jnp.float32
-                 ) -> tuple[Trajectory, dict[str, Any]]:
+                 compact: bool = True, grow_cache: bool = True, cache_dtype=jnp.float32,
+                 replicas: int = 1) -> tuple[Trajectory, dict[str, Any]]:
   """Runs len(task_ids) * group_size episodes to the end and returns them as a Trajectory.
 
   Args:
@@ -175,6 +238,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
       step reads the whole cache); False allocates `max_context` slots at once (one cache
       length, so fewer compilations, e.g. where compiling is slow).
     cache_dtype: KV cache dtype.
+    replicas: independent batches the episodes are split into, each on its own slice of the
+      mesh's data axis (without a mesh: one local device each); see the module docstring.
 
   Returns:
     The Trajectory [B, L] (B = len(task_ids) * group_size) and stats: scalar metrics, plus
@@ -211,12 +276,19 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     else:
       running[i] = True
 
-  shards = 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp"))
-  rows = -(-num // shards) * shards
-  batch = _Batch(graphdef, state, rows, -(-max_context // 128) * 128, grow_cache, mesh,
-                 cache_dtype)
-  batch.episode_of_row[:num] = np.arange(num)
+  limit = -(-max_context // 128) * 128
   episode_keys = jax.random.split(key, num)
+  batches = []
+  for replica_mesh, members in zip(_replica_meshes(mesh, replicas),
+                                   np.array_split(np.arange(num), replicas)):
+    if len(members) == 0:
+      continue
+    replica_state = state if replicas == 1 else _state_on(state, replica_mesh)
+    shards = _shards(replica_mesh)
+    batch = _Batch(graphdef, replica_state, -(-len(members) // shards) * shards, limit,
+                   grow_cache, replica_mesh, cache_dtype)
+    batch.assign(members, episode_keys)
+    batches.append(batch)
   in_cache = np.zeros(num, np.int64)  # tokens of each episode already in its cache row
   ended_on_cap = np.zeros(num, bool)
   turn_seconds, env_seconds, sampled = [], 0.0, 0
@@ -225,42 +297,50 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     if not running.any():
       break
     turn_start = time.perf_counter()
-    if compact and running.sum() * 2 <= batch.rows:
-      target = batch.rows
-      while target % 2 == 0 and (target // 2) % shards == 0 and running.sum() * 2 <= target:
-        target //= 2
-      if target < batch.rows:
-        live = np.flatnonzero([ep >= 0 and running[ep] for ep in batch.episode_of_row])
-        batch.compact(live, target)
-    row_eps = batch.episode_of_row
-    active = np.asarray([ep >= 0 and running[ep] for ep in row_eps])
-    chunks = [episodes[ep].tokens[in_cache[ep]:] if act else []
-              for ep, act in zip(row_eps, active)]
-    batch.extend(chunks, np.where(row_eps >= 0, in_cache[row_eps], 0), max_chunk, tok.pad_id)
-    for ep, act in zip(row_eps, active):
-      if act:
-        in_cache[ep] = len(episodes[ep].tokens)
-    # Rows without an episode reuse key 0; they are inactive and sample nothing.
-    keys = _turn_keys(episode_keys[np.maximum(row_eps, 0)], jnp.int32(turn))
-    reach = int(max(in_cache[ep] for ep, act in zip(row_eps, active) if act)) + cap
-    tokens, logprobs, counts = batch.decode(active, keys, np.full(batch.rows, cap, np.int32),
-                                            reach, end_ids, sampling)
+    # Dispatch every replica's extend and decode first; they run while the next is queued.
+    turns = []
+    for batch in batches:
+      live = np.asarray([ep >= 0 and running[ep] for ep in batch.episode_of_row])
+      if not live.any():
+        continue
+      if compact and live.sum() * 2 <= batch.rows:
+        target = batch.rows
+        while (target % 2 == 0 and (target // 2) % batch.shards == 0
+               and live.sum() * 2 <= target):
+          target //= 2
+        if target < batch.rows:
+          batch.compact(np.flatnonzero(live), target)
+      row_eps = batch.episode_of_row
+      active = np.asarray([ep >= 0 and running[ep] for ep in row_eps])
+      chunks = [episodes[ep].tokens[in_cache[ep]:] if act else []
+                for ep, act in zip(row_eps, active)]
+      batch.extend(chunks, np.where(row_eps >= 0, in_cache[row_eps], 0), max_chunk,
+                   tok.pad_id)
+      for ep, act in zip(row_eps, active):
+        if act:
+          in_cache[ep] = len(episodes[ep].tokens)
+      keys = _turn_keys(batch.keys, np.int32(turn))
+      reach = int(max(in_cache[ep] for ep, act in zip(row_eps, active) if act)) + cap
+      turns.append((row_eps, active, batch.decode(
+          active, keys, np.full(batch.rows, cap, np.int32), reach, end_ids, sampling)))
 
     slots, responses = [], []
-    for row, ep in enumerate(row_eps):
-      if not active[row]:
-        continue
-      e, n = episodes[ep], int(counts[row])
-      ids = tokens[row, :n].tolist()
-      e.append(ids, turn=turn, logprobs=logprobs[row, :n])
-      in_cache[ep] += n - 1  # the last sampled token is fed with the next chunk
-      sampled += n
-      ended_on_cap[ep] = ids[-1] not in end_ids
-      reply = ids if ended_on_cap[ep] else ids[:-1]
-      text = tok.decode(reply)
-      e.messages.append({"role": "assistant", "content": text})
-      slots.append(ep)
-      responses.append(text)
+    samples = jax.device_get([sample for _, _, sample in turns])
+    for (row_eps, active, _), (tokens, logprobs, counts) in zip(turns, samples):
+      for row, ep in enumerate(row_eps):
+        if not active[row]:
+          continue
+        e, n = episodes[ep], int(counts[row])
+        ids = tokens[row, :n].tolist()
+        e.append(ids, turn=turn, logprobs=logprobs[row, :n])
+        in_cache[ep] += n - 1  # the last sampled token is fed with the next chunk
+        sampled += n
+        ended_on_cap[ep] = ids[-1] not in end_ids
+        reply = ids if ended_on_cap[ep] else ids[:-1]
+        text = tok.decode(reply)
+        e.messages.append({"role": "assistant", "content": text})
+        slots.append(ep)
+        responses.append(text)
     env_start = time.perf_counter()
     outcomes = pool.step(slots, responses)
     env_seconds += time.perf_counter() - env_start

@@ -114,6 +114,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.rollout.max_reply_tokens = 200
   # Token cap of a whole episode; an episode that reaches it is truncated.
   c.rollout.max_context = 4096
+  # Independent rollout batches, each on its own slice of the mesh's data axis with its own
+  # copy of the parameters: no per-token synchronisation between them. On a CPU host: one per
+  # core, with XLA_FLAGS=--xla_force_host_platform_device_count=<cores>.
+  c.rollout.replicas = 1
 
   # ----- turn-limit schedule (ScalingInter-RL) ------------------------------------------------
   c.schedule = ml_collections.ConfigDict()

@@ -57,6 +57,10 @@ def check_batch_layout(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
         f"data.batch_tasks x data.group_size = {rows} rows per step must be divisible by "
         f"algo.minibatches x algo.microbatches x data-parallel devices = "
         f"{config.algo.minibatches} x {config.algo.microbatches} x {shards}; change one of them.")
+  replicas, data = config.rollout.replicas, mesh.shape.get("data", 1)
+  if replicas < 1 or data % replicas:
+    raise ValueError(f"rollout.replicas = {replicas} must be >= 1 and divide the mesh's data "
+                     f"axis ({data} devices): each replica takes an equal slice of it.")
 
 
 def make_advantage_fn(config: ml_collections.ConfigDict):
@@ -215,6 +219,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         num_samples=config.eval.group_size, max_turns=max(config.schedule.horizons),
         sampling=sampling_eval, max_context=config.rollout.max_context,
         rng=_step_key(state, step, EVAL_STREAM), system_prompt=system_prompt, mesh=mesh,
+        replicas=config.rollout.replicas,
         # A training step's rows are known to fit; evaluate that many episodes at a time.
         chunk_tasks=max(1, config.data.batch_tasks * config.data.group_size
                         // config.eval.group_size))
@@ -239,7 +244,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       traj, stats = run_episodes(
           policy_def, state.policy, tok, pool, task_ids, group_size=config.data.group_size,
           max_turns=max_turns, sampling=sampling, max_context=config.rollout.max_context,
-          rng=_step_key(state, step, ROLLOUT_STREAM), system_prompt=system_prompt, mesh=mesh)
+          rng=_step_key(state, step, ROLLOUT_STREAM), system_prompt=system_prompt, mesh=mesh,
+          replicas=config.rollout.replicas)
       timer["rollout"] = time.perf_counter()
 
       # ----- scoring: old and reference log-probs, values -----
