@@ -11,13 +11,14 @@ tokens), replies of up to R tokens sampled at temperature 1, one tiny random Lla
   (left-padded batch) and calls `generate` on a `LlamaForCausalLM` holding the same weights.
 
 Both step the same environments through the same EnvPool and run once untimed first (JIT
-compilation, allocator warm-up). Threads: on a busy 2-core machine one intra-op thread beats two
-for both runtimes, so XLA runs single-threaded (`--jax_threads 2` for XLA's default thread
-pool) and torch gets 1 or 2 threads, whichever is faster at the time. Also timed: ours with
-the episodes split over `--replicas` CPU devices (default: one per core), which is how
-`run_episodes` uses several cores. Timed runs alternate between the runners, and the best of
-each counts. Prints tokens/s of each, their ratio, and each runner's turn-T / turn-1 time
-ratio; the last line is `ratio: <ours (one device) / reference tokens per second>`.
+compilation, allocator warm-up). Cores: each runner uses the machine's cores its own best way.
+The reference gets 1 or 2 torch intra-op threads, whichever `generate` runs faster with at the
+time; ours splits the episodes over `--replicas` CPU devices (default: one per core, each an
+independent batch with single-threaded XLA; `run_episodes(replicas=...)`). Also timed, for
+context: ours on one device, with the cache grown as needed and with `max_context` slots.
+`--jax_threads 2` gives XLA its default thread pool instead of one thread. Timed runs alternate between
+the runners, and the best of each counts. Prints tokens/s of each, and each runner's turn-T /
+turn-1 time ratio; the last line is `ratio: <ours (replicas) / reference tokens per second>`.
 
     .venv/bin/python benchmarks/rollout_bench.py [--episodes 32 --turns 8 --reply 32]
 """
@@ -119,11 +120,11 @@ def main():
   parser.add_argument("--reply", type=int, default=32, help="max tokens per reply")
   parser.add_argument("--filler", type=int, default=7,
                       help="filler words per observation (7 gives ~64 tokens)")
-  parser.add_argument("--repeats", type=int, default=2)
+  parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--jax_threads", type=int, choices=(1, 2), default=1,
                       help="XLA intra-op threads (read before jax is imported)")
   parser.add_argument("--replicas", type=int, default=os.cpu_count() or 1,
-                      help="CPU devices (one replica each) of the last 'ours' run")
+                      help="CPU devices (one rollout replica each) of the headline run")
   args = parser.parse_args()
 
   corpus = [INSTRUCTION, " ".join(BOXES), "the room is quiet and the light is dim"] * 20
@@ -190,9 +191,9 @@ def main():
         f"max_context {max_context}, best of {args.repeats}")
   tps = {}
   for name, label in (
-      ("ours", "ours (KV cache across turns, grown as needed)"),
-      ("ours_fixed", "ours (KV cache across turns, max_context slots)"),
-      ("ours_replicas", f"ours ({replicas} replicas, one CPU device each)"),
+      ("ours", "ours, one device (KV cache across turns, grown as needed)"),
+      ("ours_fixed", "ours, one device (KV cache across turns, max_context slots)"),
+      ("ours_replicas", f"ours, {replicas} replicas (one CPU device each)"),
       ("reference", "reference (transformers generate, re-encode per turn)")):
     tps[name] = max(tokens / seconds for tokens, seconds, _ in runs[name])
     # Per turn, the fastest over the repeats: single turns are short and load is bursty.
@@ -200,9 +201,8 @@ def main():
     print(f"{label}: {tps[name]:.0f} tokens/s; turn 1 {turns[0] * 1e3:.0f} ms, "
           f"turn {len(turns)} {turns[-1] * 1e3:.0f} ms "
           f"(turn {len(turns)}/turn 1 = {turns[-1] / turns[0]:.2f})")
-  print(f"ours with {replicas} replicas / reference: "
-        f"{tps['ours_replicas'] / tps['reference']:.2f}")
-  print(f"ratio: {tps['ours'] / tps['reference']:.2f}")
+  print(f"ours on one device / reference: {tps['ours'] / tps['reference']:.2f}")
+  print(f"ratio: {tps['ours_replicas'] / tps['reference']:.2f}")
 
 
 if __name__ == "__main__":
