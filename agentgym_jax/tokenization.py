@@ -128,7 +128,7 @@ class ChatTokenizer:
     """
     out = os.path.join(cache_dir or CACHE_DIR, _QWEN_DIR_NAME)
     if not os.path.exists(os.path.join(out, "tokenizer.json")):
-      _write_atomically(out, _convert_qwen_tiktoken)
+      write_tokenizer_atomically(out, _convert_qwen_tiktoken)
     return cls.from_pretrained(out)
 
   @classmethod
@@ -140,7 +140,7 @@ class ChatTokenizer:
     """
     out = os.path.join(cache_dir or CACHE_DIR, _SMOLLM2_DIR_NAME)
     if not os.path.exists(os.path.join(out, "tokenizer.json")):
-      _write_atomically(out, _convert_smollm2_gguf)
+      write_tokenizer_atomically(out, _convert_smollm2_gguf)
     return cls.from_pretrained(out)
 
   @classmethod
@@ -266,8 +266,12 @@ class ChatTokenizer:
                      "not start with a special token; a sampled reply could not stop on it.")
 
 
-def _write_atomically(out: str, writer) -> None:
-  """Runs `writer(tmp_dir)` and moves the result to `out` (safe with concurrent processes)."""
+def write_tokenizer_atomically(out: str, writer) -> None:
+  """Runs `writer(tmp_dir)` (which saves a tokenizer there) and moves the result to `out`.
+
+  Safe with concurrent processes: a reader sees all files or none, and the loser of a race
+  keeps the winner's identical copy.
+  """
   parent = os.path.dirname(out)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(dir=parent, prefix=".tmp-")

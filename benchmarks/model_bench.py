@@ -57,8 +57,10 @@ def _timed(fn) -> float:
 
 def train_flops_per_step(cfg: ModelConfig, batch: int, length: int) -> float:
   """6 x matmul parameters x tokens, plus attention scores and mixing (12 L T H Dh per token)."""
-  matmul_params = cfg.num_params - cfg.vocab_size * cfg.hidden_size  # the gather is free
-  matmul_params += cfg.vocab_size * cfg.hidden_size  # ...but the LM head is a matmul
+  # The embedding gather is free; the LM head is a V x H matmul (the same matrix when tied,
+  # which num_params counts once).
+  embed = cfg.vocab_size * cfg.hidden_size
+  matmul_params = cfg.num_params - embed + (embed if cfg.tie_embeddings else 0)
   per_token = 6 * matmul_params + 12 * cfg.num_layers * length * cfg.num_heads * cfg.head_dim
   return per_token * batch * length
 

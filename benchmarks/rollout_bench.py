@@ -33,8 +33,10 @@ import time
 
 # XLA reads its flags once, when jax is imported: threads and CPU devices are set before that.
 _XLA = argparse.ArgumentParser(add_help=False)
-_XLA.add_argument("--jax_threads", type=int, choices=(1, 2), default=1)
-_XLA.add_argument("--replicas", type=int, default=os.cpu_count() or 1)
+_XLA.add_argument("--jax_threads", type=int, choices=(1, 2), default=1,
+                  help="XLA intra-op threads (read before jax is imported)")
+_XLA.add_argument("--replicas", type=int, default=os.cpu_count() or 1,
+                  help="CPU devices (one rollout replica each) of the headline run")
 _XLA_ARGS = _XLA.parse_known_args(sys.argv[1:])[0]
 _FLAGS = os.environ.get("XLA_FLAGS", "")
 if _XLA_ARGS.jax_threads == 1:
@@ -114,17 +116,13 @@ def pick_torch_threads(hf_model, vocab: int, batch: int, reply: int) -> int:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[_XLA])
   parser.add_argument("--episodes", type=int, default=32)
   parser.add_argument("--turns", type=int, default=8)
   parser.add_argument("--reply", type=int, default=32, help="max tokens per reply")
   parser.add_argument("--filler", type=int, default=7,
                       help="filler words per observation (7 gives ~64 tokens)")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--jax_threads", type=int, choices=(1, 2), default=1,
-                      help="XLA intra-op threads (read before jax is imported)")
-  parser.add_argument("--replicas", type=int, default=os.cpu_count() or 1,
-                      help="CPU devices (one rollout replica each) of the headline run")
   args = parser.parse_args()
 
   corpus = [INSTRUCTION, " ".join(BOXES), "the room is quiet and the light is dim"] * 20
@@ -144,10 +142,10 @@ def main():
   sampling = SamplingConfig(temperature=1.0, max_reply_tokens=args.reply)
   with EnvPool("scripted", num_workers=1, env_kwargs=env_kwargs) as pool:
     obs = pool.reset([0])[0].observation
-    print(f"observation: {len(tok.encode_observation(obs))} tokens; "
+    obs_tokens = len(tok.encode_observation(obs))
+    print(f"observation: {obs_tokens} tokens; "
           f"jax {jax.__version__} on {jax.devices()[0].platform}, torch {torch.__version__}")
     # Room for every turn's reply and observation, rounded up; the runner's cache is this long.
-    obs_tokens = len(tok.encode_observation(obs))
     need = len(tok.encode_opening([{"role": "user", "content": INSTRUCTION},
                                    {"role": "assistant", "content": DEFAULT_ACKNOWLEDGEMENT},
                                    {"role": "user", "content": obs}]))

@@ -86,6 +86,22 @@ class TextEnv(gymnasium.Env, abc.ABC):
     info["task_id"] = self.task_id
     return observation, float(reward), bool(terminated), bool(truncated), info
 
+  def play_expert(self, task_id: int, max_steps: int = 300
+                  ) -> tuple[float, dict[str, Any], list[str]]:
+    """Plays `expert_action()` on task `task_id` until the episode ends or `max_steps`.
+
+    Returns the last step's reward and info and the actions taken (expert checks,
+    demonstrations). An episode still running after `max_steps` has info["success"] False.
+    """
+    self.reset(options={"task_id": task_id})
+    reward, info, actions = 0.0, {"success": False}, []
+    for _ in range(max_steps):
+      actions.append(self.expert_action())
+      _, reward, terminated, truncated, info = self.step(actions[-1])
+      if terminated or truncated:
+        break
+    return reward, info, actions
+
   # ----- per environment -------------------------------------------------------------------
 
   @abc.abstractmethod

@@ -74,6 +74,14 @@ def failed_outcome(reason: str, task_id: int | None = None,
 # ----- worker process ------------------------------------------------------------------------
 
 
+def _env_class(env_spec: EnvSpec, env_kwargs: dict[str, Any]) -> type[TextEnv]:
+  """The class an EnvSpec names (for "remote", the served environment's, from its kwargs)."""
+  if not isinstance(env_spec, str):
+    return env_spec
+  remote_name = env_kwargs.get("env_name") if env_spec == "remote" else None
+  return environments.env_class(env_spec, env_name=remote_name)
+
+
 def _build_env(env_spec: EnvSpec, env_kwargs: dict[str, Any]) -> TextEnv:
   if isinstance(env_spec, str):
     return environments.make(env_spec, **env_kwargs)
@@ -160,10 +168,9 @@ def _worker_main(conn: mp_connection.Connection, env_spec: EnvSpec, env_kwargs: 
   """
   # Ctrl-C goes to the parent, which shuts the pool down in order.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
-  if isinstance(env_spec, str):
-    # Imported now, so that a missing simulator shows when the pool starts, not per episode.
-    remote_name = env_kwargs.get("env_name") if env_spec == "remote" else None
-    environments.env_class(env_spec, env_name=remote_name)
+  # The environment's module is imported before "ready", so that its import time counts
+  # against booting rather than against the first reset's timeout.
+  _env_class(env_spec, env_kwargs)
   conn.send("ready")
   slots = _Slots(env_spec, env_kwargs)
   executor = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
@@ -307,12 +314,8 @@ class EnvPool:
       raise ValueError(f"Need timeout_s > 0 and create_timeout_s >= 0, got {timeout_s} and "
                        f"{create_timeout_s}.")
     self.env_kwargs = dict(env_kwargs or {})
-    if isinstance(env_name, str):
-      remote_name = self.env_kwargs.get("env_name") if env_name == "remote" else None
-      # The class gives the caller the env's instruction and parser without a round trip.
-      self.env_cls = environments.env_class(env_name, env_name=remote_name)
-    else:
-      self.env_cls = env_name
+    # The class gives the caller the env's instruction and parser without a round trip.
+    self.env_cls = _env_class(env_name, self.env_kwargs)
     self.env_spec = env_name
     self.num_workers = num_workers
     self.threads_per_worker = threads_per_worker
@@ -467,5 +470,10 @@ class EnvPool:
     how = old.kill()
     self._built = {slot for slot in self._built if slot % self.num_workers != index}
     self._workers[index] = self._new_worker(index)
-    self._workers[index].wait_ready()
+    try:
+      self._workers[index].wait_ready()
+    except RuntimeError as exc:
+      # The episodes still come back failed; the next call to this worker finds its closed
+      # connection and replaces it again.
+      return f"env worker {index} (pid {old.pid}) died: {why} ({how}); its replacement: {exc}"
     return f"env worker {index} (pid {old.pid}) was replaced: {why} ({how})"

@@ -39,17 +39,6 @@ TURNED_ACTIONS = (
     '"check available actions"]')
 
 
-def _run_expert(env, task_id, max_turns=150):
-  env.reset(options={"task_id": task_id})
-  actions = []
-  for _ in range(max_turns):
-    actions.append(env.expert_action())
-    _, reward, terminated, _, info = env.step(actions[-1])
-    if terminated:
-      return reward, info, actions
-  return 0.0, {"success": False}, actions
-
-
 def test_level_mapping():
   assert len(babyai_env.LEVELS) == 40
   assert babyai_env.level_of(1) == ("GoToRedBall", "BabyAI-GoToRedBall-v0", 0)
@@ -221,7 +210,7 @@ def _test_ids(seeds_per_level):
 def _check_expert(task_ids):
   env = BabyAIEnv()
   for task_id in task_ids:
-    reward, info, actions = _run_expert(env, task_id)
+    reward, info, actions = env.play_expert(task_id, max_steps=150)
     assert info["success"] and reward > 0.5, (task_id, actions[-5:])
     for action in actions:
       assert BabyAIEnv.parse_action(BabyAIEnv.format_action(action)) == action

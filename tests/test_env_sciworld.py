@@ -55,15 +55,6 @@ def env():
     yield environment
 
 
-def run_expert(env, task_id, max_steps=300):
-  env.reset(options={"task_id": task_id})
-  for step in range(1, max_steps + 1):
-    _, reward, terminated, truncated, info = env.step(env.expert_action())
-    if terminated or truncated:
-      return reward, info, step
-  raise AssertionError(f"task {task_id}: no episode end after {max_steps} expert steps")
-
-
 # ----- index and splits ------------------------------------------------------------------------
 
 
@@ -157,14 +148,14 @@ def test_expert_solves_one_test_variation_per_task_type(env):
     first_of_type.setdefault(games.game(task_id)[0], task_id)
   assert len(first_of_type) == 23
   for task_id in first_of_type.values():
-    reward, info, _ = run_expert(env, task_id)
+    reward, info, _ = env.play_expert(task_id)
     assert (reward, info["success"]) == (1.0, True), (task_id, info)
 
 
 @pytest.mark.slow
 def test_expert_solves_every_test_task(env):
   for task_id in task_splits("sciworld")["test"]:
-    reward, info, _ = run_expert(env, task_id)
+    reward, info, _ = env.play_expert(task_id)
     assert (reward, info["success"]) == (1.0, True), (task_id, info)
 
 

@@ -15,6 +15,21 @@ def test_expert_succeeds_on_every_test_task():
     assert (reward, terminated, truncated, info["success"]) == (1.0, True, False, True)
 
 
+def test_play_expert_stops_at_the_end_or_at_max_steps():
+  reward, info, actions = ScriptedEnv().play_expert(5)
+  assert (reward, info["success"], len(actions)) == (1.0, True, 1)
+
+  class Lost(ScriptedEnv):
+    def expert_action(self) -> str:
+      return "dance"
+
+  reward, info, actions = Lost(max_steps=10).play_expert(5, max_steps=3)
+  assert (reward, info["success"], actions) == (0.0, False, ["dance"] * 3)
+  # The environment's own step limit ends the episode first (truncated).
+  _, info, actions = Lost(max_steps=2).play_expert(5, max_steps=3)
+  assert len(actions) == 2 and not info["success"]
+
+
 def test_rewards_decay_with_turns_and_note_is_true():
   env = ScriptedEnv()
   observation, info = env.reset(options={"task_id": 5})

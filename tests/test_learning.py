@@ -41,7 +41,8 @@ def test_estimator_learns_keypad_from_scratch(algo, tmp_path, compile_cache):
   print(f"\n{algo}: {seconds:.0f} s, success by step {[round(s, 2) for s in success]}, "
         f"held-out greedy {lines[-1]['eval/success_rate']}")
   with open(os.path.join(tmp_path, "config.json")) as f:
-    assert json.load(f)["algo"]["advantage"] in ("grpo", "gae", "reinforce_plus_plus", "rloo")
+    assert json.load(f)["algo"]["advantage"] == {
+        "grpo": "grpo", "ppo": "gae", "reinforce_pp": "reinforce_plus_plus", "rloo": "rloo"}[algo]
   assert success[0] < 0.2, success
   assert sum(success[-3:]) / 3 > 0.9, success
   assert lines[-1]["eval/success_rate"] > 0.9

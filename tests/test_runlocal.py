@@ -16,7 +16,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENVS = ["textcraft", "babyai", "sciworld", "searchqa", "webarena"]
-IDS = ["textcraft", "babyai", "sciworld", "searchqa", "webarena"]
 
 
 def _env():
@@ -73,7 +72,7 @@ def _steps(workdir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("extra_flags", ENVS, indirect=True, ids=IDS)
+@pytest.mark.parametrize("extra_flags", ENVS, indirect=True, ids=ENVS)
 def test_runlocal_trains_resumes_and_evaluates(extra_flags, tmp_path, request):
   env = request.node.callspec.id
   config = f"experiments/agentgym_rl/{env}.py:runlocal,schedule=scaling_inter"

@@ -9,6 +9,7 @@ from flax import nnx
 from agentgym_jax.models import Decoder, KVCache, ModelConfig
 from agentgym_jax.rollout import sampler
 from agentgym_jax.rollout.sampler import DecodeCache, SamplingConfig
+from agentgym_jax.rollout.trajectory import bucket_length
 
 VOCAB = 97
 CFG = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -29,7 +30,7 @@ def _prefill(model, prompts, max_len=64):
   """Extends an empty cache with right-padded prompts; returns cache, logits."""
   graphdef, state = nnx.split(model)
   lens = np.asarray([len(p) for p in prompts], np.int32)
-  tokens = np.zeros((len(prompts), sampler.chunk_bucket(lens.max())), np.int32)
+  tokens = np.zeros((len(prompts), bucket_length(lens.max(), 16)), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
   cache = DecodeCache.init(CFG, len(prompts), max_len)
@@ -180,8 +181,8 @@ def test_decode_cache_matches_model_extend(model):
     np.testing.assert_allclose(cache.v[layer], ref_cache.v[layer], atol=1e-6)
 
 
-def test_chunk_bucket():
-  assert [sampler.chunk_bucket(n) for n in (1, 16, 17, 25, 100, 129, 200, 512)] == [
+def test_chunk_and_cache_buckets():
+  assert [bucket_length(n, 16) for n in (1, 16, 17, 25, 100, 129, 200, 512)] == [
       16, 16, 24, 32, 128, 192, 256, 512]
   assert [sampler.cache_bucket(n, 1152) for n in (0, 300, 1024, 1100, 5000)] == [
       256, 512, 1024, 1152, 1152]
@@ -199,7 +200,7 @@ def test_chunk_pieces():
   for n in range(1, 700):
     pieces = sampler.chunk_pieces(n)
     assert sum(t for t, _ in pieces) == n
-    assert all(t <= w == sampler.chunk_bucket(w) for t, w in pieces)
+    assert all(t <= w == bucket_length(w, 16) for t, w in pieces)
     assert sum(w for _, w in pieces) - n <= 16 * len(pieces)
 
 

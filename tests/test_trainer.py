@@ -162,7 +162,7 @@ def test_batch_layout_is_checked_before_anything_runs():
   c.algo.minibatches, c.algo.microbatches = 1, 1
   c.data.batch_tasks, c.data.group_size = 8, 1
   c.rollout.replicas = 3  # the default mesh puts all 8 test devices on the data axis
-  with pytest.raises(ValueError, match="rollout.replicas = 3 must be >= 1 and divide"):
+  with pytest.raises(ValueError, match="rollout.replicas: replicas=3 must divide the mesh's data"):
     loop.check_batch_layout(c, sharding.make_mesh(c.mesh))
   c.rollout.replicas = 4
   loop.check_batch_layout(c, sharding.make_mesh(c.mesh))

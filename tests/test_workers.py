@@ -151,6 +151,25 @@ def test_os_exit_in_step_is_reported_with_exit_code(pool):
   assert outcomes[1].observation == "Count 1."
 
 
+def test_a_replacement_that_cannot_boot_is_replaced_at_the_next_call(pool, monkeypatch):
+  pool.reset([4, 4])
+  real_wait = workers._Worker.wait_ready
+  def fail_once(worker):
+    monkeypatch.setattr(workers._Worker, "wait_ready", real_wait)
+    worker.kill()
+    raise RuntimeError("Env worker 0 did not start")
+  monkeypatch.setattr(workers._Worker, "wait_ready", fail_once)
+  outcomes = pool.step([0, 1], ["Action: crash", "Action: inc"])
+  # The call still returns: the crashed worker's episode failed, with both causes named.
+  assert outcomes[0].failed and "its replacement: Env worker 0 did not start" in (
+      outcomes[0].info["error"])
+  assert outcomes[1].observation == "Count 1."
+  # The next call finds the dead replacement, replaces it, and the pool serves again.
+  outcome = pool.reset([2], slots=[0])[0]
+  assert outcome.failed and "could not send reset" in outcome.info["error"]
+  assert pool.reset([2], slots=[0])[0].observation == "Target 3. Count 0."
+
+
 def test_env_exception_fails_one_episode_and_recreates_the_env(pool):
   pool.reset([4, 4, 4])
   pid = pool.worker_pid(0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -115,7 +114,11 @@ def gguf_tokenizer_dir(gguf_path: str, cache_dir: str | None = None) -> str:
   The directory lives under `cache_dir` (default ~/.cache/agentgym_jax, or
   $XDG_CACHE_HOME/agentgym_jax), keyed by file name and size, and is reused afterwards.
   """
-  from transformers import AutoTokenizer  # heavy import, only needed the first time
+  # Heavy imports (transformers), only needed the first time.
+  # pylint: disable=import-outside-toplevel
+  from transformers import AutoTokenizer
+
+  from agentgym_jax.tokenization import write_tokenizer_atomically
 
   root = cache_dir or os.path.join(
       os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "agentgym_jax")
@@ -124,13 +127,7 @@ def gguf_tokenizer_dir(gguf_path: str, cache_dir: str | None = None) -> str:
   if not os.path.exists(os.path.join(out, "tokenizer.json")):
     tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
                                         gguf_file=os.path.basename(gguf_path))
-    os.makedirs(root, exist_ok=True)
-    tmp = f"{out}.tmp{os.getpid()}"
-    tok.save_pretrained(tmp)
-    try:
-      os.replace(tmp, out)  # atomic: a concurrent loader sees all files or none
-    except OSError:  # another process finished first; its copy is identical
-      shutil.rmtree(tmp, ignore_errors=True)
+    write_tokenizer_atomically(out, tok.save_pretrained)
   return out
 
 

@@ -70,8 +70,12 @@ def _take_rows(tree: Any, rows: jax.Array) -> Any:
   return jax.tree.map(lambda x: x[rows], tree)
 
 
-def _replica_meshes(mesh: Mesh | None, replicas: int) -> list[Mesh | None]:
-  """The device groups of `replicas` independent batches: slices of the mesh's data axis."""
+def replica_meshes(mesh: Mesh | None, replicas: int) -> list[Mesh | None]:
+  """The device groups of `replicas` independent batches: slices of the mesh's data axis.
+
+  Raises ValueError when `replicas` is below 1 or does not divide the data axis (or, without
+  a mesh, exceeds the local devices).
+  """
   if replicas < 1:
     raise ValueError(f"replicas must be >= 1, got {replicas}.")
   if replicas == 1:
@@ -279,7 +283,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
   limit = -(-max_context // 128) * 128
   episode_keys = jax.random.split(key, num)
   batches = []
-  for replica_mesh, members in zip(_replica_meshes(mesh, replicas),
+  for replica_mesh, members in zip(replica_meshes(mesh, replicas),
                                    np.array_split(np.arange(num), replicas)):
     if len(members) == 0:
       continue

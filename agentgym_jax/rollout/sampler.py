@@ -9,7 +9,7 @@ The two compiled programs of a rollout:
   agent turn for every active row inside ONE `lax.while_loop`: sample, feed the token back,
   repeat until every row has produced an end-of-turn token or reached its cap.
 
-Static shapes: the caller buckets the chunk length T (`chunk_pieces`) and the cache length
+Static shapes: the caller splits chunks into bucketed lengths T (`chunk_pieces`) and the cache length
 (`cache_bucket`: powers of two from 256, `DecodeCache.grow` pads the cache to the next one when
 the rows need it), so a run compiles each program a handful of times. The cache grows instead of
 being allocated at the context limit because decoding a small model is bound by reading the
@@ -40,6 +40,7 @@ from flax import nnx, struct
 from agentgym_jax import sharding
 from agentgym_jax.models import ModelConfig
 from agentgym_jax.models.decoder import rope_tables
+from agentgym_jax.rollout.trajectory import bucket_length
 
 _NEG_INF = -1e30
 
@@ -76,45 +77,30 @@ class SamplingConfig:
     return self.temperature == 0.0 or self.top_k == 1
 
 
-def chunk_bucket(n: int, minimum: int = 16) -> int:
-  """Static chunk length for `n` new tokens: the smallest 2^k or 3 * 2^(k-1) >= max(n, minimum)
-  (16, 24, 32, 48, 64, 96, ...): padding wastes at most a third of an extend, and a run sees
-  few distinct lengths (each is one compilation per cache length)."""
-  size = minimum
-  while True:
-    if size >= n:
-      return size
-    if size * 3 // 2 >= n:
-      return size * 3 // 2
-    size *= 2
+# Shortest extend chunk: a chunk of n tokens is padded to bucket_length(n, _MIN_CHUNK).
+_MIN_CHUNK = 16
 
 
 def chunk_pieces(n: int, max_piece: int = 512, max_padding: int = 16) -> list[tuple[int, int]]:
-  """How to append `n` tokens in extend calls: (tokens, width) per call, width a `chunk_bucket`.
+  """How to append `n` tokens in extend calls: (tokens, width) per call.
 
-  One call when its bucket pads at most `max_padding` tokens; otherwise the largest bucket
-  that fits goes first and the rest follows (67 tokens: 64 + 16 instead of 96, a sixth less
-  attention work for one more call). No call takes more than `max_piece` tokens.
+  Widths come from `trajectory.bucket_length` (16, 24, 32, 48, 64, 96, ...), so a run compiles
+  extend for few distinct lengths. One call when its bucket pads at most `max_padding` tokens;
+  otherwise the largest bucket that fits goes first and the rest follows (67 tokens: 64 + 16
+  instead of 96, a sixth less attention work for one more call). No call takes more than
+  `max_piece` tokens.
   """
   pieces = []
   while n > 0:
     take = min(n, max_piece)
-    width = chunk_bucket(take)
+    width = bucket_length(take, _MIN_CHUNK)
     if width - take > max_padding:
-      # take > max_padding >= 16 here, so a bucket <= take exists.
-      width = take = max(_buckets_up_to(take))
+      # The largest bucket <= take (take > max_padding >= 16 here): 2^k or 3 * 2^(k-1).
+      power = 1 << (take.bit_length() - 1)
+      width = take = power * 3 // 2 if power * 3 // 2 <= take else power
     pieces.append((take, width))
     n -= take
   return pieces
-
-
-def _buckets_up_to(n: int, minimum: int = 16):
-  size = minimum
-  while size <= n:
-    yield size
-    if size * 3 // 2 <= n:
-      yield size * 3 // 2
-    size *= 2
 
 
 def cache_bucket(n: int, max_len: int, minimum: int = 256) -> int:

@@ -109,9 +109,11 @@ class Episode:
 
 
 def bucket_length(n: int, minimum: int = 64) -> int:
-  """Smallest size >= n of the form 2^k or 3 * 2^(k-1) (64, 96, 128, 192, 256, ...).
+  """Smallest size >= n of the form 2^k or 3 * 2^(k-1) from `minimum` (a power of two) on:
+  64, 96, 128, 192, 256, ... by default.
 
-  Padding waste stays under a third while a run sees only a few distinct lengths.
+  Padding waste stays under a third while a run sees only a few distinct lengths (trajectory
+  lengths for the update, chunk lengths for the sampler's extend).
   """
   size = minimum
   while True:

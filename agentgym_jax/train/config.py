@@ -220,8 +220,9 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-# Sub-trees whose keys are not fixed by the schema: an environment's constructor arguments.
-_FREE_FORM = ("env.kwargs",)
+# Sub-trees whose keys are not fixed by the schema: an environment's constructor arguments, and
+# the model architecture (`lock` checks its keys against ModelConfig instead).
+_FREE_FORM = ("env.kwargs", "model.arch")
 
 
 def _unknown_fields(config: ml_collections.ConfigDict, schema: ml_collections.ConfigDict,
@@ -233,7 +234,7 @@ def _unknown_fields(config: ml_collections.ConfigDict, schema: ml_collections.Co
       continue
     if key not in schema:
       unknown.append(path)
-    elif isinstance(value, ml_collections.ConfigDict) and path != "model.arch":
+    elif isinstance(value, ml_collections.ConfigDict):
       unknown += _unknown_fields(value, schema[key], path + ".")
   return unknown
 

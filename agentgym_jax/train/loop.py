@@ -32,6 +32,7 @@ from agentgym_jax.models import Decoder, save_hf
 from agentgym_jax.rl import advantages as advantages_lib
 from agentgym_jax.rl import losses, schedule
 from agentgym_jax.rollout import SamplingConfig, run_episodes
+from agentgym_jax.rollout.episodes import replica_meshes
 from agentgym_jax.train import checkpoints, data, metrics as metrics_lib, sources
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import update as update_lib
@@ -57,10 +58,10 @@ def check_batch_layout(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
         f"data.batch_tasks x data.group_size = {rows} rows per step must be divisible by "
         f"algo.minibatches x algo.microbatches x data-parallel devices = "
         f"{config.algo.minibatches} x {config.algo.microbatches} x {shards}; change one of them.")
-  replicas, data = config.rollout.replicas, mesh.shape.get("data", 1)
-  if replicas < 1 or data % replicas:
-    raise ValueError(f"rollout.replicas = {replicas} must be >= 1 and divide the mesh's data "
-                     f"axis ({data} devices): each replica takes an equal slice of it.")
+  try:
+    replica_meshes(mesh, config.rollout.replicas)
+  except ValueError as exc:
+    raise ValueError(f"rollout.replicas: {exc}") from exc
 
 
 def make_advantage_fn(config: ml_collections.ConfigDict):
@@ -97,25 +98,32 @@ def _masked_stats(prefix: str, x: np.ndarray, mask: np.ndarray) -> dict[str, flo
   return {f"{prefix}_mean": float(values.mean()), f"{prefix}_std": float(values.std())}
 
 
-def _batch_diagnostics(host: Any, adv: np.ndarray, old_logprobs: np.ndarray,
-                       values: np.ndarray, returns: np.ndarray, reward_kl: np.ndarray, *,
+def _batch_diagnostics(host: Any, adv: jax.Array, old_logprobs: jax.Array,
+                       values: jax.Array, returns: jax.Array, reward_kl: jax.Array, *,
                        use_critic: bool, kl_in_reward: bool) -> dict[str, float]:
   """Advantage statistics, sampler/trainer log-prob agreement, in-reward KL, critic quality.
 
   `rollout/logprob_gap` is the mean |log-prob of the trainer's forward - the sampler's| over
   agent tokens: ~1e-7 when both compute the same distribution; a large gap means the
-  rollout and the loss disagree (e.g. a temperature or masking mismatch).
+  rollout and the loss disagree (e.g. a temperature or masking mismatch). Of the [B, L] arrays
+  only those an enabled diagnostic reads are copied to the host.
   """
-  mask = np.asarray(host.loss_mask).astype(bool)
-  out = _masked_stats("batch/advantage", adv, mask)
-  out["rollout/logprob_gap"] = float(
-      np.abs(np.asarray(old_logprobs) - host.sample_logprobs)[mask].mean()) if mask.any() else 0.0
+  wanted = {"adv": adv, "old_logprobs": old_logprobs}
   if kl_in_reward:
-    out["reward/kl_mean"] = float(np.asarray(reward_kl)[mask].mean()) if mask.any() else 0.0
+    wanted["reward_kl"] = reward_kl
   if use_critic:
-    out.update(_masked_stats("critic/values", values, mask))
+    wanted.update(values=values, returns=returns)
+  got = {k: np.asarray(v) for k, v in jax.device_get(wanted).items()}
+  mask = np.asarray(host.loss_mask).astype(bool)
+  out = _masked_stats("batch/advantage", got["adv"], mask)
+  out["rollout/logprob_gap"] = float(
+      np.abs(got["old_logprobs"] - host.sample_logprobs)[mask].mean()) if mask.any() else 0.0
+  if kl_in_reward:
+    out["reward/kl_mean"] = float(got["reward_kl"][mask].mean()) if mask.any() else 0.0
+  if use_critic:
+    out.update(_masked_stats("critic/values", got["values"], mask))
     out["critic/explained_variance"] = metrics_lib.explained_variance(
-        np.asarray(returns), np.asarray(values), mask)
+        got["returns"], got["values"], mask)
   return out
 
 
@@ -290,7 +298,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       step_metrics = metrics_lib.trajectory_metrics(host)
       step_metrics.update({k: float(v) for k, v in update_metrics.items()})
       step_metrics.update(_batch_diagnostics(
-          host, *jax.device_get((adv, old_logprobs, values, returns, reward_kl)),
+          host, adv, old_logprobs, values, returns, reward_kl,
           use_critic=update_cfg.use_critic,
           kl_in_reward=config.algo.kl_in_reward and keep_reference))
       step_metrics.update({

@@ -119,14 +119,10 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.
   return _shift_right(picked - jax.nn.logsumexp(logits, axis=-1))
 
 
-def token_entropy(logits: jax.Array, temperature: float = 1.0) -> jax.Array:
-  """Entropy of the distribution each token was drawn from: [B, L, V] -> [B, L]."""
-  return _shift_right(losses.entropy_from_logits(logits[:, :-1] / temperature))
-
-
 def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0
                                ) -> tuple[jax.Array, jax.Array]:
-  """`token_logprobs` and `token_entropy` from one log-softmax: [B, L, V] -> two [B, L].
+  """`token_logprobs`, and the entropy of the distribution each token was drawn from, from one
+  log-softmax: [B, L, V] -> two [B, L].
 
   The loss needs both; sharing the log-softmax saves passes over the [B, L, V] logits, which
   dominate the memory traffic of a small model's update. The model's logits are finite, so
