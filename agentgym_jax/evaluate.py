@@ -35,10 +35,10 @@ from ml_collections import config_flags
 import numpy as np
 from flax import nnx
 
-import environments
 from agentgym_jax import eval_metrics
 from agentgym_jax import sharding
 from agentgym_jax.rollout import SamplingConfig, run_episodes, save_jsonl
+from agentgym_jax.train import sources
 from agentgym_jax.tokenization import ChatTokenizer
 from environments.workers import EnvPool
 
@@ -287,7 +287,7 @@ def main(argv: Sequence[str]) -> None:
                             top_p=config.rollout.top_p, top_k=config.rollout.top_k,
                             max_reply_tokens=pick("max_reply_tokens",
                                                   config.rollout.max_reply_tokens))
-  splits = environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
+  splits = sources.task_splits(config)
   if split not in splits:
     raise ValueError(f"Split {split!r} not in {config.env.name}'s splits {sorted(splits)}.")
   task_ids = splits[split][:num_tasks] if num_tasks else splits[split]
@@ -311,7 +311,8 @@ def main(argv: Sequence[str]) -> None:
         # The rows a training step rolls out at once are known to fit in memory.
         chunk_tasks=max(1, config.data.batch_tasks * config.data.group_size // num_samples),
         system_prompt=config.env.system_prompt or None, mesh=mesh,
-        replicas=config.rollout.replicas, pass_criterion=_FLAGS["pass_criterion"].value, ks=[int(k) for k in _FLAGS["pass_k"].value],
+        replicas=config.rollout.replicas, pass_criterion=_FLAGS["pass_criterion"].value,
+        ks=[int(k) for k in _FLAGS["pass_k"].value],
         episodes_path=os.path.join(output, f"episodes_{split}.jsonl") if writer else None)
   settings["seconds"] = round(time.perf_counter() - start, 1)
   if writer:

@@ -16,9 +16,10 @@ The reference gets 1 or 2 torch intra-op threads, whichever `generate` runs fast
 time; ours splits the episodes over `--replicas` CPU devices (default: one per core, each an
 independent batch with single-threaded XLA; `run_episodes(replicas=...)`). Also timed, for
 context: ours on one device, with the cache grown as needed and with `max_context` slots.
-`--jax_threads 2` gives XLA its default thread pool instead of one thread. Timed runs alternate between
-the runners, and the best of each counts. Prints tokens/s of each, and each runner's turn-T /
-turn-1 time ratio; the last line is `ratio: <ours (replicas) / reference tokens per second>`.
+`--jax_threads 2` gives XLA its default thread pool instead of one thread. Timed runs
+alternate between the runners, and the best of each counts. Prints tokens/s of each, and
+each runner's turn-T / turn-1 time ratio; the last line is
+`ratio: <ours (replicas) / reference tokens per second>`.
 
     .venv/bin/python benchmarks/rollout_bench.py [--episodes 32 --turns 8 --reply 32]
 """

@@ -9,11 +9,12 @@ The two compiled programs of a rollout:
   agent turn for every active row inside ONE `lax.while_loop`: sample, feed the token back,
   repeat until every row has produced an end-of-turn token or reached its cap.
 
-Static shapes: the caller splits chunks into bucketed lengths T (`chunk_pieces`) and the cache length
-(`cache_bucket`: powers of two from 256, `DecodeCache.grow` pads the cache to the next one when
-the rows need it), so a run compiles each program a handful of times. The cache grows instead of
-being allocated at the context limit because decoding a small model is bound by reading the
-cache: rows holding 300 tokens should not read a 4096-slot buffer at every step.
+Static shapes: the caller splits chunks into bucketed lengths T (`chunk_pieces`) and the cache
+length (`cache_bucket`: powers of two from 256, `DecodeCache.grow` pads the cache to the next
+one when the rows need it), so a run compiles each program a handful of times. The cache
+grows instead of being allocated at the context limit because decoding a small model is bound
+by reading the cache: rows holding 300 tokens should not read a 4096-slot buffer at every
+step.
 
 Both donate the cache, so XLA updates it in place.
 

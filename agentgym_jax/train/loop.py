@@ -25,7 +25,6 @@ import tqdm
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-import environments
 from agentgym_jax import evaluate
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.models import Decoder, save_hf
@@ -157,7 +156,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   #                               Tokenizer and environments                                   #
   ##############################################################################################
   tok = sources.load_tokenizer(config, workdir)
-  splits = environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
+  splits = sources.task_splits(config)
   stream = data.TaskStream(splits[config.data.split], config.seed)
   system_prompt = config.env.system_prompt or None
   sampling = SamplingConfig(temperature=config.rollout.temperature, top_p=config.rollout.top_p,

@@ -59,6 +59,11 @@ def environment_texts(env_name: str, env_kwargs: dict, task_ids: list[int]) -> I
     env.close()
 
 
+def task_splits(config: ml_collections.ConfigDict) -> dict[str, list[int]]:
+  """The task-id splits of `config.env` (a remote env's: those of the environment it serves)."""
+  return environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
+
+
 def load_tokenizer(config: ml_collections.ConfigDict, workdir: str | None) -> ChatTokenizer:
   """The run's tokenizer; a "bpe:" one is trained on first use and then read from the workdir.
 
@@ -71,8 +76,7 @@ def load_tokenizer(config: ml_collections.ConfigDict, workdir: str | None) -> Ch
     if cached and os.path.exists(os.path.join(cached, "tokenizer.json")):
       return ChatTokenizer.from_pretrained(cached)
     vocab = int(spec.split(":", 1)[1])
-    splits = environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
-    split = splits[config.data.split]
+    split = task_splits(config)[config.data.split]
     texts = environment_texts(config.env.name, dict(config.env.kwargs),
                               list(split[:config.tokenizer.bpe_tasks]))
     tok = ChatTokenizer.train_bpe(texts, vocab_size=vocab)
