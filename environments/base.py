@@ -17,6 +17,7 @@ says what was wrong, reward 0, and stays alive.
 from __future__ import annotations
 
 import abc
+import random
 import re
 import string
 from typing import Any
@@ -34,7 +35,7 @@ class TextEnv(gymnasium.Env, abc.ABC):
   """Base class: text in, text out, one task instance per `task_id`.
 
   Subclasses implement `_reset(task_id)`, `_step(action)`, `parse_action`, `format_action`,
-  `expert_action`, and set `name` and `instruction`.
+  `expert_action`, `random_action`, and set `name` and `instruction`.
   """
 
   name: str = ""
@@ -119,12 +120,21 @@ class TextEnv(gymnasium.Env, abc.ABC):
 
   @staticmethod
   @abc.abstractmethod
-  def format_action(action: str) -> str:
-    """An agent response carrying `action`; `parse_action(format_action(a)) == a`."""
+  def format_action(action: str, thought: bool = True) -> str:
+    """An agent response carrying `action`; `parse_action(format_action(a)) == a`.
+
+    With `thought=False` the response carries the action alone, without the reasoning text
+    the format asks for (a weaker demonstration).
+    """
 
   @abc.abstractmethod
   def expert_action(self) -> str:
     """The expert's next action in the current state."""
+
+  def random_action(self, rng: random.Random) -> str:
+    """An action drawn uniformly from those valid in the current state (noisy teachers)."""
+    raise NotImplementedError(f"{self.name or type(self).__name__} has no random_action(); "
+                              "expert noise (bc.noise > 0) needs one.")
 
 
 def sanitize_text(text: str | bytes, max_chars: int = 8192) -> str:

@@ -229,7 +229,9 @@ class RemoteEnv(TextEnv):
     return react_action(response)
 
   @staticmethod
-  def format_action(action: str) -> str:
+  def format_action(action: str, thought: bool = True) -> str:
+    if not thought:
+      return f"Action:\n{action}"
     return f"Thought:\nI act.\n\nAction:\n{action}"
 
 
@@ -238,7 +240,7 @@ def _webarena_action(response: str) -> str:
   return response
 
 
-def _webarena_format(action: str) -> str:
+def _webarena_format(action: str, thought: bool = True) -> str:  # pylint: disable=unused-argument
   return f"In summary, the next action I will perform is ```{action}```"
 
 

@@ -76,18 +76,21 @@ def smoke(tmp_path_factory, compile_cache):
   train(workdir, compile_cache, *SCALING, "--config.total_steps=1")
   after_one = metrics(workdir)
   resumed = train(workdir, compile_cache, *SCALING, "--config.total_steps=2")
-  return workdir, after_one, resumed.stderr
+  return workdir, after_one, resumed.stderr + resumed.stdout
 
 
 def test_runlocal_smoke_run_checkpoints_resumes_and_exports(smoke):
   workdir, after_one, log = smoke
-  assert [m["step"] for m in after_one] == [1]
+  # Step 0 is the evaluation of the starting policy, before any update.
+  assert [m["step"] for m in after_one] == [0, 1]
+  assert all(k.startswith("eval/") for k in set(after_one[0]) - {"step"})
   assert "Restored checkpoint 1" in log
+  assert "Held-out success" in log  # the before/after summary line
   lines = metrics(workdir)
-  assert [m["step"] for m in lines] == [1, 2]
-  assert lines[0] == after_one[0]  # the resumed run appended, it did not rewrite step 1
-  assert lines[1]["data/cursor"] == 4.0  # 2 tasks per step: the task order went on
-  assert lines[1]["eval/num_tasks"] == 4.0  # evaluated after its last step
+  assert [m["step"] for m in lines] == [0, 1, 2]
+  assert lines[:2] == after_one  # the resumed run appended, it did not rewrite steps 0-1
+  assert lines[2]["data/cursor"] == 4.0  # 2 tasks per step: the task order went on
+  assert lines[2]["eval/num_tasks"] == 4.0  # evaluated after its last step
   for name in ("config.json", "run_info.json", "tokenizer/tokenizer.json", "hf/config.json",
                "hf/model.safetensors", "hf/tokenizer.json"):
     assert os.path.exists(os.path.join(workdir, name)), name
@@ -99,7 +102,7 @@ def test_runlocal_smoke_run_checkpoints_resumes_and_exports(smoke):
               "actor/entropy", "actor/clip_frac", "actor/grad_norm", "actor/pg_loss",
               "rollout/tokens_per_s", "update/tokens_per_s", "time/rollout", "time/update",
               "schedule/max_turns", "schedule/phase"}
-  assert expected <= set(lines[0])
+  assert expected <= set(lines[1])
 
 
 def test_evaluate_cli_reads_the_training_checkpoint(smoke, compile_cache, tmp_path):
@@ -121,8 +124,8 @@ def test_resume_is_exact_across_a_scaling_inter_phase(smoke, compile_cache, tmp_
   train(straight, compile_cache, *SCALING, "--config.total_steps=4")
   train(resumed, compile_cache, *SCALING, "--config.total_steps=4")
   a, b = metrics(straight), metrics(resumed)
-  assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3, 4]
-  assert [m["schedule/max_turns"] for m in a] == [1.0, 1.0, 1.0, 2.0]
+  assert [m["step"] for m in a] == [m["step"] for m in b] == [0, 1, 2, 3, 4]
+  assert [m["schedule/max_turns"] for m in a[1:]] == [1.0, 1.0, 1.0, 2.0]
   for line_a, line_b in zip(a, b):
     assert training_metrics(line_a) == training_metrics(line_b), line_a["step"]
   with open(os.path.join(straight, "hf", "model.safetensors"), "rb") as f_a, \

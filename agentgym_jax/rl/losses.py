@@ -2,7 +2,8 @@
 
 A loss is built in two steps, so that splitting a mini-batch into micro-batches is exact:
 
-1. Token terms, each [B, L] and 0 where mask is 0: `POLICY_LOSSES[name](...)` (PPO clip),
+1. Token terms, each [B, L] and 0 where mask is 0: `POLICY_LOSSES[name](...)` (PPO clip, or
+   the cross-entropy of behaviour cloning),
    `value_loss`, `entropy_from_logits`, `KL_ESTIMATORS[kind]` / `kl_penalty`. The trainer combines
    them, e.g. `pg + kl_coef * kl - entropy_coef * entropy`.
 2. `aggregate(loss_mat, mask, mode, denominator)`, with the denominator computed ONCE over the
@@ -102,6 +103,31 @@ def ppo_clip(log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.Array
     metrics["clip_frac_lower"] = masked_mean(dual, mask)
     loss = jnp.where(advantages < 0, jnp.minimum(loss, loss3), loss)
   return jnp.where(mask, loss, 0.0), metrics
+
+
+@POLICY_LOSSES.register("cross_entropy")
+def cross_entropy(log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.Array,
+                  mask: jax.Array, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                  clip_ratio_c: float | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Behaviour cloning: the negative log-likelihood -logπ(token) of every agent token.
+
+  The demonstrations' tokens are the targets, so the sampler's log-probs, the advantages and
+  the clip range of `ppo_clip`'s signature play no part (they are accepted so that both losses
+  are called alike).
+
+  Args:
+    log_prob: [B, L] log-probabilities of the demonstrated tokens under the current policy.
+    old_log_prob, advantages: [B, L], unused.
+    mask: [B, L] 1 on agent tokens (the expert's replies and their end-of-turn tokens).
+  Returns:
+    (loss [B, L] float32, 0 where mask is 0; metrics: `nll`, the masked mean of the loss, and
+    `token_prob`, the masked mean probability of the demonstrated token).
+  """
+  del old_log_prob, advantages, clip_ratio_low, clip_ratio_high, clip_ratio_c
+  mask = jnp.asarray(mask).astype(bool)
+  nll = -_float(log_prob)
+  metrics = {"nll": masked_mean(nll, mask), "token_prob": masked_mean(jnp.exp(-nll), mask)}
+  return jnp.where(mask, nll, 0.0), metrics
 
 
 def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mask: jax.Array, *,

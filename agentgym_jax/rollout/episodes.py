@@ -197,8 +197,9 @@ class _Batch:
     self.episode_of_row = np.where(np.arange(rows) < len(keep), self.episode_of_row[order], -1)
 
 
-def _opening(info: dict[str, Any], observation: str, system_prompt: str | None,
-             acknowledgement: str) -> list[dict[str, str]]:
+def opening_messages(info: dict[str, Any], observation: str, system_prompt: str | None,
+                     acknowledgement: str) -> list[dict[str, str]]:
+  """The conversation before the first agent turn: system, instruction, canned reply, task."""
   messages = []
   if system_prompt is not None:
     messages.append({"role": "system", "content": system_prompt})
@@ -270,7 +271,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
   outcomes = pool.reset([e.task_id for e in episodes])
   running = np.zeros(num, bool)
   for i, (e, out) in enumerate(zip(episodes, outcomes)):
-    e.messages = _opening(out.info, out.observation, system_prompt, acknowledgement)
+    e.messages = opening_messages(out.info, out.observation, system_prompt, acknowledgement)
     e.append(tok.encode_opening(e.messages), turn=-1)
     if out.terminated or out.truncated:
       e.finish("error" if "error" in out.info else "terminated", terminated=out.terminated,

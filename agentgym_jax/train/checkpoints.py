@@ -19,6 +19,8 @@ import orbax.checkpoint as ocp
 
 from agentgym_jax.train.state import TrainState
 
+# The checkpoints' folder inside a run's workdir.
+CHECKPOINT_DIR = "checkpoints"
 _FIELDS = ("step", "rng", "policy", "opt_state", "ref", "critic", "critic_opt_state")
 
 

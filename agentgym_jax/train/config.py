@@ -56,6 +56,27 @@ def base_config() -> ml_collections.ConfigDict:
   c.seed = 0
   # Trainer steps; one step = one rollout batch + one update (epochs x minibatches).
   c.total_steps = 200
+  # "rl": each step's batch is rolled out by the policy and trained with the algorithm below.
+  # "bc": behaviour cloning; each step's batch is data.batch_tasks x data.group_size
+  # demonstrations of the environment's expert (see `bc`), trained with cross-entropy on the
+  # agent tokens through the same update (aggregation, minibatches, optimizer, checkpoints).
+  c.mode = "rl"
+  # Workdir of an earlier run (e.g. a BC run) whose newest checkpoint's policy is this run's
+  # starting point, and whose tokenizer it uses; "" starts from `model`. Ignored on resume.
+  c.init_from = ""
+
+  # ----- behaviour cloning (mode == "bc") --------------------------------------------------
+  c.bc = ml_collections.ConfigDict()
+  # Demonstrations: the expert plays the first num_tasks tasks of data.split once each (0 =
+  # all of them), up to the schedule's longest horizon and rollout.max_context.
+  c.bc.num_tasks = 0
+  # A weaker teacher: probability that a turn's action is a random valid one instead of the
+  # expert's, and that a reply leaves out its "Thought:" text.
+  c.bc.noise = 0.0
+  c.bc.drop_thought = 0.0
+  # Where demonstrations are cached as JSONL and reused by later runs with the same settings
+  # ("" = $XDG_CACHE_HOME/agentgym_jax/demonstrations, default ~/.cache/...).
+  c.bc.cache_dir = ""
 
   # ----- model -----------------------------------------------------------------------------
   c.model = ml_collections.ConfigDict()
@@ -214,6 +235,8 @@ def base_config() -> ml_collections.ConfigDict:
   # Split and number of its tasks to evaluate on (0 = all of them).
   c.eval.split = "test"
   c.eval.num_tasks = 0
+  # Also evaluate the starting policy before the first step (the "before" of the summary).
+  c.eval.at_start = True
   # Samples per task (Avg@n / Pass@n) and their sampling temperature (0 = greedy).
   c.eval.group_size = 1
   c.eval.temperature = 0.0

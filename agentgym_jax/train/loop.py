@@ -30,7 +30,7 @@ from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.models import Decoder, save_hf
 from agentgym_jax.rl import advantages as advantages_lib
 from agentgym_jax.rl import losses, schedule
-from agentgym_jax.rollout import SamplingConfig, run_episodes
+from agentgym_jax.rollout import SamplingConfig, build_trajectory, run_episodes
 from agentgym_jax.rollout.episodes import replica_meshes
 from agentgym_jax.train import checkpoints, data, metrics as metrics_lib, sources
 from agentgym_jax.train import state as state_lib
@@ -38,7 +38,9 @@ from agentgym_jax.train import update as update_lib
 from environments.workers import EnvPool
 
 ROLLOUT_STREAM, EVAL_STREAM = 0, 2  # update_lib.UPDATE_STREAM is 1
-CHECKPOINT_DIR = "checkpoints"
+MODES = ("rl", "bc")
+# Behaviour cloning samples nothing: its steps report no rollout throughput.
+_NO_ROLLOUT_STATS = {"rollout/sampled_tokens": 0, "rollout/env_seconds": 0.0}
 HF_EXPORT_DIR = "hf"
 
 
@@ -148,6 +150,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   mesh = sharding_lib.make_mesh(config.mesh)
   rows_sharding = NamedSharding(mesh, P(sharding_lib.BATCH_AXES))
   check_batch_layout(config, mesh)
+  if config.mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}.")
+  bc = config.mode == "bc"
   update_cfg = update_lib.UpdateConfig.from_config(config)
   schedule.validate(config.schedule)
   logging.info("Mesh %s over %d devices.", dict(mesh.shape), mesh.size)
@@ -158,6 +163,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   tok = sources.load_tokenizer(config, workdir)
   splits = sources.task_splits(config)
   stream = data.TaskStream(splits[config.data.split], config.seed)
+  rows = config.data.batch_tasks * config.data.group_size
+  if bc:
+    # Behaviour cloning draws `rows` demonstrations per step, in shuffled epochs.
+    demos = sources.demonstrations(config, tok)
+    stream = data.TaskStream(range(len(demos)), config.seed)
   system_prompt = config.env.system_prompt or None
   sampling = SamplingConfig(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                             top_k=config.rollout.top_k,
@@ -168,7 +178,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   ##############################################################################################
   policy = sources.build_policy(config, tok, mesh)
   critic = sources.build_critic(policy, config.seed, mesh) if update_cfg.use_critic else None
-  keep_reference = config.algo.kl_coef > 0
+  keep_reference = update_cfg.kl_in_loss or (config.algo.kl_coef > 0 and config.algo.kl_in_reward
+                                             and not bc)
   optimizers = state_lib.Optimizers.from_config(config, with_critic=critic is not None)
   policy_def, policy_params = state_lib.split_params(policy)
   critic_def, critic_params = (state_lib.split_params(critic) if critic is not None
@@ -192,13 +203,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   score_chunks = config.algo.minibatches * config.algo.microbatches
   score_logprobs, score_values = update_lib.make_scorers(
       policy_def, critic_def, update_cfg.temperature, score_chunks, mesh)
-  compute_advantages = make_advantage_fn(config)
+  compute_advantages = None if bc else make_advantage_fn(config)
 
   ##############################################################################################
   #                                Checkpoint and resumption                                   #
   ##############################################################################################
   # Precedence: the workdir's newest checkpoint; otherwise the initial state built above.
-  ckpt = checkpoints.Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), config.checkpoint.keep)
+  ckpt = checkpoints.Checkpointer(os.path.join(workdir, checkpoints.CHECKPOINT_DIR),
+                                  config.checkpoint.keep)
   cursor = 0
   if ckpt.latest_step() is not None:
     state, meta = ckpt.restore(state)
@@ -238,48 +250,72 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   #                                        Train loop                                          #
   ##############################################################################################
   last: dict[str, float] = {}
+  run_start = time.perf_counter()
+  if start_step == 0 and config.eval.every_steps > 0 and config.eval.at_start:
+    # The starting point's held-out score: the "before" of the run's before/after line.
+    initial = run_eval(0)
+    _report_eval(0, initial)
+    if writer:
+      writer.write(0, initial)
   progress = tqdm.tqdm(total=config.total_steps, initial=start_step, desc="train",
                        disable=not config.log.progress_bar, dynamic_ncols=True)
   try:
     for step in range(start_step, config.total_steps):
       timer = {"start": time.perf_counter()}
       max_turns = schedule.max_turns(config.schedule, step)
-      task_ids = stream.take(cursor, config.data.batch_tasks)
-      cursor += config.data.batch_tasks
 
-      # ----- rollout -----
-      traj, stats = run_episodes(
-          policy_def, state.policy, tok, pool, task_ids, group_size=config.data.group_size,
-          max_turns=max_turns, sampling=sampling, max_context=config.rollout.max_context,
-          rng=_step_key(state, step, ROLLOUT_STREAM), system_prompt=system_prompt, mesh=mesh,
-          replicas=config.rollout.replicas)
+      # ----- rollout (or, for behaviour cloning, the step's demonstrations) -----
+      if bc:
+        chosen = [demos[i] for i in stream.take(cursor, rows)]
+        cursor += rows
+        traj, stats = build_trajectory(chosen, tok.pad_id), _NO_ROLLOUT_STATS
+      else:
+        task_ids = stream.take(cursor, config.data.batch_tasks)
+        cursor += config.data.batch_tasks
+        traj, stats = run_episodes(
+            policy_def, state.policy, tok, pool, task_ids, group_size=config.data.group_size,
+            max_turns=max_turns, sampling=sampling, max_context=config.rollout.max_context,
+            rng=_step_key(state, step, ROLLOUT_STREAM), system_prompt=system_prompt, mesh=mesh,
+            replicas=config.rollout.replicas)
       timer["rollout"] = time.perf_counter()
 
-      # ----- scoring: old and reference log-probs, values -----
       host = jax.device_get(traj)
       put = lambda x: jax.device_put(np.asarray(x), rows_sharding)
       tokens, valid, mask = put(host.tokens), put(host.valid), put(host.loss_mask)
-      old_logprobs = score_logprobs(state.policy, tokens, valid)
-      ref_logprobs = (score_logprobs(state.ref, tokens, valid) if state.ref is not None
-                      else jnp.zeros_like(old_logprobs))
-      values = (score_values(state.critic, tokens, valid) if score_values is not None
-                else jnp.zeros_like(old_logprobs))
-      jax.block_until_ready((old_logprobs, ref_logprobs, values))
-      timer["score"] = time.perf_counter()
+      if bc:
+        # Cross-entropy needs neither the sampler's log-probs nor advantages.
+        zeros = jnp.zeros(tokens.shape, jnp.float32, device=rows_sharding)
+        batch = {"tokens": tokens, "valid": valid, "loss_mask": mask,
+                 "old_logprobs": zeros, "advantages": zeros}
+        diagnostics = {}
+        timer["score"] = timer["advantages"] = time.perf_counter()
+      else:
+        # ----- scoring: old and reference log-probs, values -----
+        old_logprobs = score_logprobs(state.policy, tokens, valid)
+        ref_logprobs = (score_logprobs(state.ref, tokens, valid) if state.ref is not None
+                        else jnp.zeros_like(old_logprobs))
+        values = (score_values(state.critic, tokens, valid) if score_values is not None
+                  else jnp.zeros_like(old_logprobs))
+        jax.block_until_ready((old_logprobs, ref_logprobs, values))
+        timer["score"] = time.perf_counter()
 
-      # ----- advantages -----
-      adv, returns, reward_kl = compute_advantages(
-          put(host.rewards), mask, put(host.group_id), old_logprobs, ref_logprobs, values)
-      jax.block_until_ready(adv)
-      timer["advantages"] = time.perf_counter()
+        # ----- advantages -----
+        adv, returns, reward_kl = compute_advantages(
+            put(host.rewards), mask, put(host.group_id), old_logprobs, ref_logprobs, values)
+        jax.block_until_ready(adv)
+        timer["advantages"] = time.perf_counter()
+        batch = {"tokens": tokens, "valid": valid, "loss_mask": mask,
+                 "old_logprobs": old_logprobs, "advantages": adv}
+        if update_cfg.kl_in_loss:
+          batch["ref_logprobs"] = ref_logprobs
+        if update_cfg.use_critic:
+          batch.update(returns=returns, old_values=values)
+        diagnostics = _batch_diagnostics(
+            host, adv, old_logprobs, values, returns, reward_kl,
+            use_critic=update_cfg.use_critic,
+            kl_in_reward=config.algo.kl_in_reward and keep_reference)
 
       # ----- update -----
-      batch = {"tokens": tokens, "valid": valid, "loss_mask": mask,
-               "old_logprobs": old_logprobs, "advantages": adv}
-      if update_cfg.kl_in_loss:
-        batch["ref_logprobs"] = ref_logprobs
-      if update_cfg.use_critic:
-        batch.update(returns=returns, old_values=values)
       state, update_metrics = update_step(state, batch)
       update_metrics = jax.device_get(update_metrics)
       timer["update"] = time.perf_counter()
@@ -295,11 +331,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
       # ----- metrics -----
       step_metrics = metrics_lib.trajectory_metrics(host)
+      if bc:  # the batch is the expert's, not the policy's: keep the two apart in the logs
+        step_metrics = {k.replace("episodes/", "demos/"): v for k, v in step_metrics.items()}
       step_metrics.update({k: float(v) for k, v in update_metrics.items()})
-      step_metrics.update(_batch_diagnostics(
-          host, adv, old_logprobs, values, returns, reward_kl,
-          use_critic=update_cfg.use_critic,
-          kl_in_reward=config.algo.kl_in_reward and keep_reference))
+      step_metrics.update(diagnostics)
       step_metrics.update({
           "schedule/max_turns": float(max_turns),
           "schedule/phase": float(schedule.phase(config.schedule, step)),
@@ -319,8 +354,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       if writer and _due(done, config.log.every_steps, config.total_steps):
         writer.write(done, step_metrics)
       progress.update(1)
-      progress.set_postfix(success=f"{step_metrics['episodes/success_rate']:.2f}",
-                           turns=max_turns)
+      if bc:
+        progress.set_postfix(nll=f"{step_metrics['actor/nll']:.3f}")
+      else:
+        progress.set_postfix(success=f"{step_metrics['episodes/success_rate']:.2f}",
+                             turns=max_turns)
+      if eval_metrics:
+        _report_eval(done, eval_metrics)
       last = step_metrics
   finally:
     # A crash must not lose a checkpoint that is still being written.
@@ -335,7 +375,26 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   ##############################################################################################
   if config.checkpoint.export_hf and jax.process_index() == 0:
     export_hf(policy_def, state.policy, tok, os.path.join(workdir, HF_EXPORT_DIR))
+  if jax.process_index() == 0 and last:
+    print(summary_line(workdir, time.perf_counter() - run_start), flush=True)
   return last
+
+
+def _report_eval(step: int, metrics: dict[str, float]) -> None:
+  tqdm.tqdm.write(f"eval at step {step}: held-out success {metrics['eval/success_rate']:.3f}")
+
+
+def summary_line(workdir: str, seconds: float) -> str:
+  """One line on how the run went: held-out success at its first and last evaluation."""
+  records = metrics_lib.read_metrics(workdir)
+  evals = [(r["step"], r["eval/success_rate"]) for r in records if "eval/success_rate" in r]
+  steps = max((r["step"] for r in records), default=0)
+  where = f"{steps} steps, {seconds / 60:.1f} min in this process; results in {workdir}"
+  if not evals:
+    return f"Done: {where}."
+  (first_step, first), (last_step, final) = evals[0], evals[-1]
+  return (f"Held-out success {first:.3f} at step {first_step} -> {final:.3f} at step "
+          f"{last_step} ({where}).")
 
 
 def export_hf(policy_def: nnx.GraphDef, params: Any, tok, directory: str) -> None:
@@ -365,11 +424,11 @@ def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | Non
       nnx.state(abstract, nnx.Param), mesh).to_pure_dict()
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         abstract_params, param_shardings)
-  ckpt = checkpoints.Checkpointer(os.path.join(workdir, CHECKPOINT_DIR), read_only=True)
+  ckpt = checkpoints.Checkpointer(os.path.join(workdir, checkpoints.CHECKPOINT_DIR), read_only=True)
   try:
     step = ckpt.latest_step() if step is None else step
     if step is None:
-      raise FileNotFoundError(f"No checkpoint in {os.path.join(workdir, CHECKPOINT_DIR)}.")
+      raise FileNotFoundError(f"No checkpoint in {os.path.join(workdir, checkpoints.CHECKPOINT_DIR)}.")
     params = ckpt.restore_params("policy", target, step)
   finally:
     ckpt.close()

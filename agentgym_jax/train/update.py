@@ -13,7 +13,8 @@ so the gradient of a minibatch does not depend on how many micro-batches it is c
 
   ppo_clip(logπ, logπ_old, A) + kl_coef · KL(π || π_ref) - entropy_coef · H(π)
 
-(the KL term only when it is not in the reward), and with a critic (gae) the clipped value
+(the KL term only when it is not in the reward; behaviour cloning, `config.mode = "bc"`,
+replaces the surrogate with the cross-entropy -logπ of the demonstrated tokens and drops KL), and with a critic (gae) the clipped value
 loss `value_coef · ½ max((V - R)², (clip(V, V_old ± c) - R)²)` trains the value model with its
 own optimizer in the same minibatch loop.
 
@@ -53,6 +54,7 @@ UPDATE_STREAM = 1
 class UpdateConfig:
   """The static (hashable) hyper-parameters of the update, read from `config.algo`."""
 
+  policy_loss: str
   epochs: int
   minibatches: int
   microbatches: int
@@ -86,12 +88,15 @@ class UpdateConfig:
     for name in ("epochs", "minibatches", "microbatches"):
       if algo[name] < 1:
         raise ValueError(f"algo.{name} must be >= 1, got {algo[name]}.")
+    # Behaviour cloning keeps the update and drops what only RL needs: no critic, no KL.
+    bc = config.mode == "bc"
     return cls(
-        epochs=algo.epochs, minibatches=algo.minibatches, microbatches=algo.microbatches,
+        policy_loss="cross_entropy" if bc else "ppo_clip", epochs=algo.epochs,
+        minibatches=algo.minibatches, microbatches=algo.microbatches,
         loss_agg_mode=algo.loss_agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
         clip_dual=algo.clip_dual, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
-        kl_in_loss=algo.kl_coef > 0 and not algo.kl_in_reward,
-        entropy_coef=algo.entropy_coef, use_critic=algo.advantage == "gae",
+        kl_in_loss=algo.kl_coef > 0 and not algo.kl_in_reward and not bc,
+        entropy_coef=algo.entropy_coef, use_critic=algo.advantage == "gae" and not bc,
         value_coef=algo.value_coef, value_clip=algo.value_clip,
         temperature=config.rollout.temperature)
 
@@ -181,7 +186,7 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
   logits = model(micro["tokens"], micro["valid"])
   mask = micro["loss_mask"]
   logp, entropy = token_logprobs_and_entropy(logits, micro["tokens"], cfg.temperature)
-  pg, pg_metrics = losses.ppo_clip(
+  pg, pg_metrics = losses.POLICY_LOSSES[cfg.policy_loss](
       logp, micro["old_logprobs"], micro["advantages"], mask, clip_ratio_low=cfg.clip_low,
       clip_ratio_high=cfg.clip_high, clip_ratio_c=cfg.clip_dual or None)
   token_loss = pg - cfg.entropy_coef * entropy

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import random
 from typing import Any
 
 import gymnasium
@@ -84,10 +85,10 @@ _COMPLETED = "\n The task is completed."
 _EXPERT_THOUGHT = "I follow my plan towards the goal."
 
 
-def level_of(task_id: int) -> tuple[str, str, int]:
-  """(level name, gymnasium id, reset seed) of task `task_id`."""
-  name = LEVELS[task_id % len(LEVELS)]
-  return name, RENAMED.get(name, f"BabyAI-{name}-v0"), task_id // len(LEVELS)
+def level_of(task_id: int, levels: tuple[str, ...] = LEVELS) -> tuple[str, str, int]:
+  """(level name, gymnasium id, reset seed) of task `task_id` over `levels`."""
+  name = levels[task_id % len(levels)]
+  return name, RENAMED.get(name, f"BabyAI-{name}-v0"), task_id // len(levels)
 
 
 def goal_text(mission: str) -> str:
@@ -101,8 +102,15 @@ class BabyAIEnv(TextEnv):
   name = "babyai"
   instruction = INSTRUCTION
 
-  def __init__(self, reward_mode: str = "normalized"):
+  def __init__(self, reward_mode: str = "normalized", levels: tuple[str, ...] | None = None):
+    """`levels`: a subset of LEVELS that task ids cycle over instead of all 40 (task id N is
+    then level levels[N % k] with seed N // k, so distinct ids stay distinct tasks)."""
     super().__init__(reward_mode)
+    self.levels = tuple(levels) if levels else LEVELS
+    unknown = sorted(set(self.levels) - set(LEVELS))
+    if unknown:
+      raise ValueError(f"babyai: unknown levels {unknown}; pick from environments.babyai.env."
+                       "LEVELS.")
     self._levels: dict[str, Any] = {}  # gymnasium id -> unwrapped minigrid env, reused
     self.env = None  # the current level's unwrapped minigrid env
     self.view: text.View | None = None
@@ -117,7 +125,7 @@ class BabyAIEnv(TextEnv):
   def _reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
     if task_id < 0:
       raise ValueError(f"babyai: task ids are >= 0, got {task_id}.")
-    level, gym_id, seed = level_of(task_id)
+    level, gym_id, seed = level_of(task_id, self.levels)
     if gym_id not in self._levels:
       self._levels[gym_id] = gymnasium.make(gym_id).unwrapped
     self.env = self._levels[gym_id]
@@ -166,7 +174,9 @@ class BabyAIEnv(TextEnv):
     return parse_single_action(response)
 
   @staticmethod
-  def format_action(action: str) -> str:
+  def format_action(action: str, thought: bool = True) -> str:
+    if not thought:
+      return f"Action:\n{action}"
     return f"Thought:\n{_EXPERT_THOUGHT}\n\nAction:\n{action}"
 
   def expert_action(self) -> str:
@@ -176,6 +186,9 @@ class BabyAIEnv(TextEnv):
     if self._expert is None:
       self._expert = expert_lib.Expert(self.env)
     return self._expert.next_action(self.env, self.view.actions, self._image)
+
+  def random_action(self, rng: random.Random) -> str:
+    return rng.choice(sorted(self.view.actions))
 
   # ----- helpers ---------------------------------------------------------------------------
 

@@ -82,8 +82,11 @@ class KeypadEnv(TextEnv):
     return match.group(0) if match else ""
 
   @staticmethod
-  def format_action(action: str) -> str:
+  def format_action(action: str, thought: bool = True) -> str:
     return action
 
   def expert_action(self) -> str:
     return self.code
+
+  def random_action(self, rng: random.Random) -> str:
+    return rng.choice(self.codes)

@@ -28,6 +28,7 @@ which is generated lazily the first time `expert_action()` is called in an episo
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 from environments.base import TextEnv
@@ -126,7 +127,9 @@ class SciWorldEnv(TextEnv):
     return response.rsplit("Action:", 1)[1].strip()
 
   @staticmethod
-  def format_action(action: str) -> str:
+  def format_action(action: str, thought: bool = True) -> str:
+    if not thought:
+      return f"Action:\n{action}"
     return f"Thought:\n{_EXPERT_THOUGHT}\n\nAction:\n{action}"
 
   def expert_action(self) -> str:
@@ -152,6 +155,9 @@ class SciWorldEnv(TextEnv):
       self._gold = list(self._sw.get_gold_action_sequence())
     index = len(self._history)
     return self._gold[index] if index < len(self._gold) else "look around"
+
+  def random_action(self, rng: random.Random) -> str:
+    return rng.choice(sorted(self._sw.get_valid_action_object_combinations()))
 
   def close(self) -> None:
     """Stops the JVM. Idempotent."""

@@ -105,8 +105,11 @@ class ScriptedEnv(TextEnv):
     return " ".join(action.split())
 
   @staticmethod
-  def format_action(action: str) -> str:
+  def format_action(action: str, thought: bool = True) -> str:
     return f"Action: {action}"
 
   def expert_action(self) -> str:
     return f"open {self.key_box}"
+
+  def random_action(self, rng: random.Random) -> str:
+    return f"open {rng.choice(self.boxes)}"

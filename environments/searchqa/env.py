@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import string
 from collections.abc import Sequence
@@ -177,7 +178,9 @@ class SearchQAEnv(TextEnv):
     return f"<answer>{_content(_ANSWERS.findall(response)[-1])}</answer>"
 
   @staticmethod
-  def format_action(action: str) -> str:
+  def format_action(action: str, thought: bool = True) -> str:
+    if not thought:
+      return action
     thought = "I know the answer." if action.startswith("<answer>") else "I need to look it up."
     return f"<think>{thought}</think>\n{action}"
 
@@ -188,6 +191,11 @@ class SearchQAEnv(TextEnv):
     if not self._searched:
       return f"<search>{self._item['gold_title'] or self._item['question']}</search>"
     return f"<answer>{self._item['golden_answers'][0]}</answer>"
+
+  def random_action(self, rng: random.Random) -> str:
+    """A search or an answer made of one word of the question."""
+    word = rng.choice(self._item["question"].split() or ["?"])
+    return rng.choice([f"<search>{word}</search>", f"<answer>{word}</answer>"])
 
   def close(self) -> None:
     self.retriever.close()

@@ -138,7 +138,9 @@ class TextCraftEnv(TextEnv):
     return parse_single_action(response)
 
   @staticmethod
-  def format_action(action: str) -> str:
+  def format_action(action: str, thought: bool = True) -> str:
+    if not thought:
+      return f"Action:\n{action}"
     return f"Thought:\n{_EXPERT_THOUGHT}\n\nAction:\n{action}"
 
   def expert_action(self) -> str:
@@ -147,6 +149,14 @@ class TextCraftEnv(TextEnv):
       raise RuntimeError("textcraft: call reset() before expert_action().")
     plan = self.tree.plan(self.goal, self.inventory)
     return plan[0] if plan else "inventory"
+
+  def random_action(self, rng: random.Random) -> str:
+    """A listed crafting command, or getting one of the items such a command uses."""
+    command = rng.choice(self.commands)
+    if rng.random() < 0.5:
+      return command
+    ingredient = rng.choice(command.split(" using ", 1)[1].split(", "))
+    return "get " + ingredient
 
   # ----- the game --------------------------------------------------------------------------
 
