@@ -1,13 +1,18 @@
 r"""Evaluates a policy on an environment's task split: Avg@n / Pass@n per category, paper tables.
 
   python -m agentgym_jax.evaluate --config=experiments/agentgym_rl/babyai.py:model=7b \
-      (--checkpoint=WORKDIR | --hf_model=DIR) [--split=test] [--num_samples=n] \
+      [--checkpoint=WORKDIR | --hf_model=DIR] [--split=test] [--num_samples=n] \
       [--max_turns=T] [--max_reply_tokens=N] [--temperature=t] --output=DIR
+
+With neither --checkpoint nor --hf_model it evaluates the config's own model (`config.model`,
+e.g. `:model=smollm2` zero-shot) with the config's tokenizer.
 
 The config supplies the environment, the tokenizer and model shape (for a training
 checkpoint), the sampler and the evaluation defaults (`config.eval`); flags override them.
 Every task of the split (or the first `--num_tasks`) runs n times through the rollout engine;
 `eval_metrics` turns the final scores into Avg@n, Pass@n and Pass@k per category and overall.
+On several hosts (the same command on each, as for training) every process runs a share of
+the episodes and process 0 writes the report of all of them.
 
 Writes into --output: `eval_<split>.json` (settings, metrics, per-task results),
 `eval_<split>.md` (a table shaped like the paper's) and `episodes_<split>.jsonl` (every
@@ -22,10 +27,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import dataclasses
+import itertools
 import json
 import os
 import re
-import tempfile
 import time
 from typing import Any
 
@@ -36,8 +41,10 @@ import numpy as np
 from flax import nnx
 
 from agentgym_jax import eval_metrics
+from agentgym_jax import multihost
 from agentgym_jax import sharding
 from agentgym_jax.rollout import SamplingConfig, run_episodes, save_jsonl
+from agentgym_jax.rollout.trajectory import build_trajectory
 from agentgym_jax.train import sources
 from agentgym_jax.tokenization import ChatTokenizer
 from environments.workers import EnvPool
@@ -144,11 +151,13 @@ def evaluate_policy(
     rng: key or seed; chunk c uses fold_in(rng, c).
     chunk_tasks: tasks per rollout call (memory bound: rows = chunk_tasks * n); 0 = all.
     system_prompt: system message (None: the chat template's default).
-    mesh: shard rollout rows over its data axes.
-    replicas: independent rollout batches (`run_episodes`).
+    mesh: shard rollout rows over its data axes. On a mesh over several processes every
+      process must call this (with the same arguments): each runs an even share of the
+      episodes on its own devices and every process gets the result of all of them.
+    replicas: independent rollout batches (`run_episodes`), per process.
     pass_criterion: "score>0" (upstream) or "success".
     ks: Pass@k estimates to add (k > n are skipped).
-    episodes_path: write every episode as JSONL here.
+    episodes_path: write every episode as JSONL here (from one process only).
   """
   task_ids = [int(t) for t in task_ids]
   if not task_ids:
@@ -156,25 +165,42 @@ def evaluate_policy(
   recorder = _RecordingPool(pool)
   key = jax.random.key(rng) if isinstance(rng, int) else rng
   chunk = chunk_tasks or len(task_ids)
-  episodes = []
+  # On several hosts each process runs an even share of every chunk's episodes on its own
+  # devices (keys and group ids of the whole chunk, so the samples are those of one process).
+  share = multihost.process_share(mesh)
+  local_state = share.local(state)
+  mine = []  # (chunk, row, Episode) run by this process
+  for c, start in enumerate(range(0, len(task_ids), chunk)):
+    chunk_ids = task_ids[start:start + chunk]
+    rows = multihost.split_rows(len(chunk_ids) * num_samples)
+    if rows is not None and not rows.size:
+      continue
+    _, stats = run_episodes(
+        graphdef, local_state, tok, recorder, chunk_ids, group_size=num_samples,
+        max_turns=max_turns, sampling=sampling, max_context=max_context,
+        rng=jax.random.fold_in(key, c), system_prompt=system_prompt, mesh=share.mesh,
+        replicas=replicas, rows=rows)
+    ran = range(len(stats["episodes"])) if rows is None else rows.tolist()
+    mine += [(c, row, e) for row, e in zip(ran, stats["episodes"])]
+  gathered = sorted(itertools.chain.from_iterable(multihost.allgather_objects(mine)),
+                    key=lambda item: item[:2])
+  categories = {}
+  for part in multihost.allgather_objects(recorder.categories):
+    categories.update(part)
+  episodes = [e for _, _, e in gathered]
   if episodes_path:
     open(episodes_path, "w").close()
-  for c, start in enumerate(range(0, len(task_ids), chunk)):
-    traj, stats = run_episodes(
-        graphdef, state, tok, recorder, task_ids[start:start + chunk], group_size=num_samples,
-        max_turns=max_turns, sampling=sampling, max_context=max_context,
-        rng=jax.random.fold_in(key, c), system_prompt=system_prompt, mesh=mesh,
-        replicas=replicas)
-    episodes.extend(stats["episodes"])
-    if episodes_path:
-      _append_jsonl(episodes_path, traj, tok.decode, stats["episodes"])
+    for _, items in itertools.groupby(gathered, key=lambda item: item[0]):
+      chunk_episodes = [e for _, _, e in items]
+      save_jsonl(episodes_path, build_trajectory(chunk_episodes, tok.pad_id), tok.decode,
+                 chunk_episodes, append=True)
 
   ids = [e.task_id for e in episodes]
   scores = np.array([e.score for e in episodes], np.float64)
   success = np.array([e.success for e in episodes], bool)
   passed = eval_metrics.passed_from(scores, success, pass_criterion)
   rewards = np.array([e.reward for e in episodes], np.float64)
-  columns = {t: paper_column(env_name, cat) for t, cat in recorder.categories.items()}
+  columns = {t: paper_column(env_name, cat) for t, cat in categories.items()}
   order = [column for column, _ in PAPER_COLUMNS.get(env_name, ())]
   summary = eval_metrics.summarize(ids, rewards, passed, columns, order,
                                    ks=[k for k in ks if k <= num_samples])
@@ -185,14 +211,7 @@ def evaluate_policy(
                     success=success, passed=passed,
                     num_turns=np.array([e.num_turns for e in episodes], np.int32),
                     stop_reasons=[e.stop_reason for e in episodes],
-                    categories=recorder.categories)
-
-
-def _append_jsonl(path: str, traj, decode, episodes) -> None:
-  with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as tmp:
-    save_jsonl(tmp.name, traj, decode, episodes)
-    with open(path, "a") as out:
-      out.write(tmp.read())
+                    categories=categories)
 
 
 def write_report(result: EvalResult, output_dir: str, label: str, settings: dict[str, Any],
@@ -244,10 +263,17 @@ def table_env_name(config) -> str:
 
 
 def _load_policy(config, checkpoint: str | None, hf_model: str | None, step: int | None, mesh):
-  """(graphdef, state, tokenizer, label) from a training workdir or an HF directory."""
-  if bool(checkpoint) == bool(hf_model):
-    raise ValueError("Pass exactly one of --checkpoint=WORKDIR (a training run) or "
-                     "--hf_model=DIR (an HF checkpoint directory).")
+  """(graphdef, state, tokenizer, label) from a training workdir, an HF directory or, given
+  neither, the config's own model source."""
+  if checkpoint and hf_model:
+    raise ValueError("Pass at most one of --checkpoint=WORKDIR (a training run) or "
+                     "--hf_model=DIR (an HF checkpoint directory); neither evaluates the "
+                     "config's model.")
+  if not checkpoint and not hf_model:
+    tok = sources.load_tokenizer(config, None)
+    graphdef, state = nnx.split(sources.build_policy(config, tok, mesh))
+    label = os.path.basename(config.model.path.rstrip("/")) or config.model.source
+    return graphdef, state, tok, label
   if checkpoint:
     # Imported here: the trainer imports this module for its in-loop evaluation.
     from agentgym_jax.train import loop  # pylint: disable=import-outside-toplevel
@@ -269,7 +295,7 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {list(argv[1:])}")
   sharding.maybe_initialize_distributed()
-  config = _FLAGS["config"].value
+  config = multihost.process_config(_FLAGS["config"].value)
   mesh = sharding.make_mesh(config.mesh)
   graphdef, state, tok, label = _load_policy(
       config, _FLAGS["checkpoint"].value, _FLAGS["hf_model"].value, _FLAGS["step"].value, mesh)
@@ -320,6 +346,9 @@ def main(argv: Sequence[str]) -> None:
     with open(md_path) as f:
       print(f.read())
     logging.info("Wrote %s and %s.", json_path, md_path)
+  # The others wait for process 0's files: at shutdown a process waits only as long as the
+  # heartbeat timeout (sharding.maybe_initialize_distributed).
+  multihost.barrier("report written")
 
 
 def _define_flags() -> dict[str, Any]:
@@ -330,7 +359,9 @@ def _define_flags() -> dict[str, Any]:
           "config", None, "Experiment config file[:arg], as for training.", lock_config=True),
       "checkpoint": flags.DEFINE_string("checkpoint", None, "Training workdir to evaluate."),
       "step": flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest)."),
-      "hf_model": flags.DEFINE_string("hf_model", None, "HF checkpoint directory to evaluate."),
+      "hf_model": flags.DEFINE_string(
+          "hf_model", None, "HF checkpoint directory to evaluate (neither this nor "
+          "--checkpoint: the config's own model)."),
       "split": flags.DEFINE_string("split", None, "Task split (default: config.eval.split)."),
       "num_samples": flags.DEFINE_integer(
           "num_samples", None, "n: samples per task (default: config.eval.group_size)."),

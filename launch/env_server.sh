@@ -11,6 +11,12 @@
 # stop ends exactly the processes listed in D/NAME.pids. Defaults: N=1, P=36005 (AgentGym's),
 # D=env_logs. PYTHON names the interpreter (default .venv/bin/python if present, else python3);
 # ENV_SERVER_HOST is the host printed in the URLs (default this machine's hostname).
+#
+# Trainer hosts reach the replicas with env.name=remote. One service per trainer host (the
+# printed URLs, or several env machines): --config.env.urls="('http://h0:36005', 'http://h1:36005')"
+# gives process i the URL urls[i % len(urls)]. One replica on every trainer host itself:
+# `launch/tpu.sh ssh -- 'cd agentgym_jax && launch/env_server.sh start --env babyai'`, then
+# --config.env.kwargs.url=http://localhost:36005 (each host reaches its own).
 set -euo pipefail
 
 die() { echo "launch/env_server.sh: $*" >&2; exit 2; }

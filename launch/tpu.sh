@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Runs agentgym-jax on a Cloud TPU VM slice: every host gets the same code and runs the same
-# command (JAX multi-controller); only process 0 writes config, metrics and checkpoints.
+# command (JAX multi-controller: one process per host, coordinated by worker 0, each rolling out
+# its share of every batch); process 0 writes config, metrics and exports, and all processes
+# write the checkpoint together, so the workdir must be storage every host sees (gs://...).
 #
 #   launch/tpu.sh VERB [--name N] [--zone Z] [--project P] [--type T] [--runtime R]
 #                      [--dir D] [--session S] [--worker W] [-- ARGS...]
@@ -12,6 +14,9 @@
 #            a JRE for ScienceWorld
 #   run      start `python -m MODULE ARGS` in tmux session S on every host, one log per host
 #            in D/logs/S.<hostname>.log. MODULE is agentgym_jax.train unless TPU_MODULE is set.
+#            JAX reads the coordinator (worker 0), process count and process id from the TPU
+#            VMs' metadata; if a host is lost the others stop within TPU_HEARTBEAT_TIMEOUT_S
+#            (default 100) seconds, and the same `run` line resumes from the last checkpoint.
 #   logs     print the last lines of the per-host logs (--worker W, default all)
 #   stop     kill tmux session S on every host
 #   delete   delete the slice
@@ -32,7 +37,7 @@
 #   launch/tpu.sh logs --session si
 set -euo pipefail
 
-usage() { sed -n '2,32p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,37p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 
 die() { echo "launch/tpu.sh: $*" >&2; exit 2; }
 
@@ -116,8 +121,11 @@ case "$VERB" in
     ;;
   run)
     [[ ${#ARGS[@]} -gt 0 ]] || die "run needs the module's arguments after '--' (e.g. -- --config=... --workdir=...)"
-    # The trainer starts jax.distributed itself when TPU_WORKER_HOSTNAMES names several hosts.
-    cmd=".venv/bin/python -m $MODULE$(quoted_args "${ARGS[@]}")"
+    # AGENTGYM_DISTRIBUTED=1: the module starts jax.distributed, which finds the slice's
+    # coordinator, process count and process id in the TPU VM metadata.
+    timeout="${TPU_HEARTBEAT_TIMEOUT_S:-100}"
+    [[ "$timeout" =~ ^[1-9][0-9]*$ ]] || die "TPU_HEARTBEAT_TIMEOUT_S must be whole seconds, got '$timeout'"
+    cmd="AGENTGYM_DISTRIBUTED=1 AGENTGYM_HEARTBEAT_TIMEOUT_S=$timeout .venv/bin/python -m $MODULE$(quoted_args "${ARGS[@]}")"
     # tmux keeps the job alive after ssh returns; tee writes one log per host.
     remote all "cd $DIR && mkdir -p logs && tmux new-session -d -s $SESSION \
       $(printf '%q' "$cmd 2>&1 | tee -a logs/$SESSION.\$(hostname).log")"

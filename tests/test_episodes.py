@@ -311,6 +311,22 @@ def test_compaction_and_sharding_do_not_change_samples(tok, model, monkeypatch):
     np.testing.assert_allclose(other.sample_logprobs, plain.sample_logprobs, atol=1e-4)
 
 
+def test_rows_run_a_share_of_the_batch_with_its_keys_and_groups(tok, model):
+  graphdef, state = nnx.split(model)
+  run = lambda **kw: run_episodes(graphdef, state, tok, FakePool(), [0, 1, 4], group_size=2,
+                                  max_turns=2, sampling=SAMPLING, max_context=1024, rng=5, **kw)
+  whole, _ = run()
+  # A multi-host process's share: rows 3..5 of the 6, alone in their own batch.
+  part, stats = run(rows=[3, 4, 5])
+  assert [e.group_id for e in stats["episodes"]] == [1, 2, 2]
+  np.testing.assert_array_equal(part.group_id, whole.group_id[3:])
+  np.testing.assert_array_equal(part.task_id, whole.task_id[3:])
+  length = min(part.length, whole.length)
+  np.testing.assert_array_equal(part.tokens[:, :length], whole.tokens[3:, :length])
+  with pytest.raises(ValueError, match=r"rows must lie in \[0, 6\)"):
+    run(rows=[6])
+
+
 def test_replicas_must_fit_the_devices(tok, model):
   graphdef, state = nnx.split(model)
   run = lambda **kw: run_episodes(graphdef, state, tok, FakePool(), [0, 1], max_turns=1,

@@ -21,7 +21,8 @@ PAPER_ENVS = ("babyai", "textcraft", "sciworld", "searchqa", "webarena")
 PAPER_ARGS = [
     ",".join(f"{k}={v}" for k, v in zip(("schedule", "algo", "model"), combo)) + extra
     for combo in itertools.product(("fixed", "scaling_inter"),
-                                   ("grpo", "ppo", "reinforce_pp", "rloo"), ("3b", "7b"))
+                                   ("grpo", "ppo", "reinforce_pp", "rloo"),
+                                   ("3b", "7b", "smollm2"))
     for extra in ("", ",runlocal")
 ]
 # Documented sweeps per file.
@@ -71,7 +72,9 @@ def test_paper_configs_load_for_every_documented_arg(env):
     schedule.validate(config.schedule)  # the trainer's own check of the horizon schedule
     rows = config.data.batch_tasks * config.data.group_size
     assert rows % (config.algo.minibatches * config.algo.microbatches) == 0, arg
-    if "runlocal" in arg:
+    if "smollm2" in arg:
+      _check_smollm2(config, runlocal="runlocal" in arg)
+    elif "runlocal" in arg:
       assert config.model.source == "random" and config.total_steps == 2
       assert config.tokenizer.spec.startswith("bpe:")
     else:
@@ -82,6 +85,20 @@ def test_paper_configs_load_for_every_documented_arg(env):
     expected = {"grpo": "grpo", "ppo": "gae", "reinforce_pp": "reinforce_plus_plus",
                 "rloo": "rloo"}[arg.split("algo=")[1].split(",")[0]]
     assert config.algo.advantage == expected
+
+
+def _check_smollm2(config, runlocal):
+  """model=smollm2: SmolLM2 and its own tokenizer on one CPU device, with or without runlocal."""
+  assert config.model.source == "smollm2" and config.tokenizer.spec == "model"
+  assert config.model.remat and config.model.dtype == "float32"
+  assert config.mesh == (("data", -1), ("fsdp", 1), ("tensor", 1))
+  rows = config.data.batch_tasks * config.data.group_size
+  assert rows // (config.algo.minibatches * config.algo.microbatches) == 1  # one row per micro
+  assert config.optim.lr == 1e-5 and config.algo.kl_coef == 1e-3
+  if runlocal:
+    assert config.total_steps == 2 and config.rollout.max_context == 1024
+  else:
+    assert rows == 16 and config.rollout.max_context == 2048 and config.eval.temperature == 0.0
 
 
 @pytest.mark.parametrize("env", PAPER_ENVS)

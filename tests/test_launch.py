@@ -4,6 +4,7 @@ import importlib.util
 import os
 import pathlib
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -201,15 +202,17 @@ def test_tpu_run_command_round_trips_through_two_shells(fake_gcloud, tmp_path):
   host = tmp_path / "host"
   (host / "repo" / ".venv" / "bin").mkdir(parents=True)
   (host / "repo" / ".venv" / "bin" / "python").write_text(
-      "#!/usr/bin/env bash\nprintf '<%s>\\n' \"$@\"\n")
+      "#!/usr/bin/env bash\necho \"[$AGENTGYM_DISTRIBUTED $AGENTGYM_HEARTBEAT_TIMEOUT_S]\"\n"
+      "printf '<%s>\\n' \"$@\"\n")
   (host / "repo" / ".venv" / "bin" / "python").chmod(0o755)
   (host / "tmux").write_text("#!/usr/bin/env bash\nsh -c \"${@: -1}\"\n")
   (host / "tmux").chmod(0o755)
   subprocess.run(["bash", "-c", remote], cwd=host, check=True,
                  env={"PATH": f"{host}:{os.environ['PATH']}", "HOME": "/home/tpu"})
   (log_file,) = (host / "repo" / "logs").glob("si.*.log")
+  # Every host starts jax.distributed (JAX reads the slice's coordinator from the metadata).
   assert log_file.read_text().splitlines() == [
-      "<-m>", "<agentgym_jax.train>", *[f"<{a}>" for a in args]]
+      "[1 100]", "<-m>", "<agentgym_jax.train>", *[f"<{a}>" for a in args]]
 
 
 def test_tpu_verbs_build_gcloud_lines(fake_gcloud):
@@ -241,6 +244,17 @@ def test_tpu_refuses_missing_settings(fake_gcloud):
   assert _tpu(["run"], env).returncode == 2
   assert "unknown verb" in _tpu(["explode"], env).stderr
   assert not log.exists()  # nothing reached gcloud
+
+
+def test_launch_scripts_pass_bash_n_and_shellcheck():
+  scripts = sorted(str(p) for p in (ROOT / "launch").glob("*.sh")) + [str(ROOT / ".ci" / "run")]
+  for script in scripts:
+    result = subprocess.run(["bash", "-n", script], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+  if shutil.which("shellcheck") is None:
+    pytest.skip("shellcheck is not installed (apt-get install shellcheck; .ci/run installs it)")
+  result = subprocess.run(["shellcheck", *scripts], capture_output=True, text=True, check=False)
+  assert result.returncode == 0, result.stdout
 
 
 # ----- launch/env_server.sh -----------------------------------------------------------------

@@ -46,3 +46,26 @@ def test_estimator_learns_keypad_from_scratch(algo, tmp_path, compile_cache):
   assert success[0] < 0.2, success
   assert sum(success[-3:]) / 3 > 0.9, success
   assert lines[-1]["eval/success_rate"] > 0.9
+
+
+@pytest.mark.slow
+def test_bc_then_grpo_on_babyai(tmp_path, compile_cache):
+  """experiments/tiny/babyai.py, shortened: BC beats the untrained model on held-out tasks, and
+  GRPO from the BC checkpoint beats BC by at least MARGIN (experiments/tiny/README.md has the
+  full-length runs)."""
+  bc, rl = str(tmp_path / "bc"), str(tmp_path / "grpo")
+  for workdir, args, steps in ((bc, "stage=bc", BC_STEPS),
+                               (rl, f"stage=rl,algo=grpo,init={bc}", RL_STEPS)):
+    result = run_cli("agentgym_jax.train", [
+        f"--config=experiments/tiny/babyai.py:{args}", f"--workdir={workdir}",
+        "--config.log.progress_bar=False", "--config.checkpoint.export_hf=False",
+        f"--config.total_steps={steps}", f"--config.eval.every_steps={steps}"],
+        compile_cache, timeout=3600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Held-out success" in result.stdout
+  untrained, after_bc = [m["eval/success_rate"] for m in metrics(bc) if "eval/success_rate" in m]
+  before_rl, after_rl = [m["eval/success_rate"] for m in metrics(rl) if "eval/success_rate" in m]
+  print(f"\nheld-out success: untrained {untrained}, BC {after_bc}, GRPO {after_rl}")
+  assert before_rl == after_bc  # RL starts from exactly the BC policy (greedy evaluation)
+  assert after_bc > untrained
+  assert after_rl >= after_bc + MARGIN

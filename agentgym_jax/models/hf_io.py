@@ -1,9 +1,10 @@
 """Hugging Face safetensors checkpoints <-> `Decoder`.
 
-Import reads tensors memory-mapped, one at a time, and places each with a single
-`jax.device_put` onto its final sharding, so a checkpoint is never materialised whole on one
-device. The HF layout is per-projection ([out, in] matrices); ours fuses q/k/v and gate/up into
-2-D [in, out] kernels (see decoder.py), so import concatenates and export splits.
+Import reads tensors memory-mapped, one at a time, and places each onto its final sharding
+(`sharding.put_global`: one device_put, or on several hosts each process's own shards), so a
+checkpoint is never materialised whole on one device. The HF layout is per-projection
+([out, in] matrices); ours fuses q/k/v and gate/up into 2-D [in, out] kernels (see
+decoder.py), so import concatenates and export splits.
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ def build_from_tensors(cfg: ModelConfig, get: Callable[[str], np.ndarray],
       raise ValueError(f"{names} give shape {value.shape} for {path}, expected {var.shape}: "
                        "config.json does not match the weights.")
     placement = flat_shardings[path].get_value() if path in flat_shardings else None
-    leaves.append((path, var.replace(jax.device_put(value, placement))))
+    # put_global: on several hosts each process places only its own devices' shards.
+    leaves.append((path, var.replace(sharding_lib.put_global(value, placement))))
   return nnx.merge(graphdef, nnx.from_flat_state(leaves))
 
 

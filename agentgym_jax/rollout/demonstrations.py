@@ -109,6 +109,11 @@ def tokenizer_fingerprint(tok: ChatTokenizer) -> str:
   return hashlib.sha256(content.encode()).hexdigest()[:16]
 
 
+def _as_json(settings: dict[str, Any]) -> dict[str, Any]:
+  """`settings` as a JSON file gives it back (tuples become lists), for comparisons."""
+  return json.loads(json.dumps(settings))
+
+
 def cache_path(cache_dir: str, env_name: str, settings: dict[str, Any]) -> str:
   """The JSONL file holding the demonstrations of `settings` (JSON-serialisable)."""
   digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
@@ -119,6 +124,7 @@ def save(path: str, settings: dict[str, Any], episodes: Sequence[Episode]) -> No
   """Writes the cache file atomically: a reader sees the old file or the whole new one."""
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
+  os.chmod(tmp, 0o644)  # a shared cache: readable by every user, as a normal file would be
   with os.fdopen(fd, "w") as f:
     f.write(json.dumps({"format": CACHE_FORMAT, "settings": settings}) + "\n")
     for e in episodes:
@@ -133,6 +139,7 @@ def load(path: str, settings: dict[str, Any]) -> list[Episode]:
     ValueError: the file is not such a cache, was written with other settings, or is cut off
       or damaged (the message names the file).
   """
+  settings = _as_json(settings)
   try:
     with open(path) as f:
       header = json.loads(f.readline())

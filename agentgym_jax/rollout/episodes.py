@@ -23,6 +23,9 @@ On a multi-core CPU host expose the cores as devices
 
 Randomness: episode e draws with key fold_in(fold_in(split(rng, B)[e], turn), step), so its
 samples do not depend on which other episodes share the batch, on compaction or on replicas.
+`rows` runs only some of the B episodes (a process's share of a multi-host batch, see
+agentgym_jax/multihost.py); each keeps the key and group id it has among all B, so a batch's
+samples do not depend either on how many processes share it.
 """
 
 from __future__ import annotations
@@ -218,7 +221,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
                  rng: Any = 0, system_prompt: str | None = None, mesh: Mesh | None = None,
                  acknowledgement: str | None = None, max_chunk: int = 512,
                  compact: bool = True, grow_cache: bool = True, cache_dtype=jnp.float32,
-                 replicas: int = 1) -> tuple[Trajectory, dict[str, Any]]:
+                 replicas: int = 1, rows: Sequence[int] | None = None
+                 ) -> tuple[Trajectory, dict[str, Any]]:
   """Runs len(task_ids) * group_size episodes to the end and returns them as a Trajectory.
 
   Args:
@@ -245,6 +249,9 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     cache_dtype: KV cache dtype.
     replicas: independent batches the episodes are split into, each on its own slice of the
       mesh's data axis (without a mesh: one local device each); see the module docstring.
+    rows: which of the len(task_ids) * group_size episodes to run, in order (default all); the
+      trajectory then holds these rows only, with their group ids and random keys of the whole
+      batch.
 
   Returns:
     The Trajectory [B, L] (B = len(task_ids) * group_size) and stats: scalar metrics, plus
@@ -257,9 +264,15 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
   key = _as_key(rng)
   episodes = [Episode(task_id=int(t), group_id=g)
               for g, t in enumerate(task_ids) for _ in range(group_size)]
+  total = len(episodes)
+  rows = np.arange(total) if rows is None else np.asarray(rows, np.int64)
+  if rows.size and (rows.min() < 0 or rows.max() >= total):
+    raise ValueError(f"rows must lie in [0, {total}) for {len(task_ids)} tasks x {group_size} "
+                     f"samples, got {rows.min()}..{rows.max()}.")
+  episodes = [episodes[r] for r in rows]
   num = len(episodes)
   if num == 0:
-    raise ValueError("run_episodes needs at least one task id.")
+    raise ValueError("run_episodes needs at least one task id (and one row).")
   if acknowledgement is None:
     acknowledgement = getattr(getattr(pool, "env_cls", None), "acknowledgement",
                               DEFAULT_ACKNOWLEDGEMENT)
@@ -282,7 +295,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
       running[i] = True
 
   limit = -(-max_context // 128) * 128
-  episode_keys = jax.random.split(key, num)
+  episode_keys = jax.random.split(key, total)[rows]
   batches = []
   for replica_mesh, members in zip(replica_meshes(mesh, replicas),
                                    np.array_split(np.arange(num), replicas)):

@@ -49,11 +49,21 @@ def main(argv: list[str]) -> None:
   # A preempted job gets SIGTERM: turn it into an exception so the trainer's cleanup runs and
   # waits for a checkpoint that is still being written instead of dying mid-save.
   signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-  sharding.maybe_initialize_distributed()
+  multi_process = sharding.maybe_initialize_distributed()
   # Imported once the distributed runtime is up, so nothing at import time can touch a device
   # before it.
   from agentgym_jax.train import loop  # pylint: disable=import-outside-toplevel
-  loop.train(_CONFIG.value, _WORKDIR.value)
+  try:
+    loop.train(_CONFIG.value, _WORKDIR.value)
+  except Exception:
+    if multi_process:
+      # When a peer is lost, the first error here is a collective's ("Connection closed by
+      # peer"), which does not say which process is gone; JAX's coordination service does.
+      logging.error("Training failed (traceback below). If another process was lost, JAX's "
+                    "coordination service names it and stops this one within %d s. Rerun "
+                    "every process with the same --workdir to resume from the last checkpoint.",
+                    sharding.heartbeat_timeout_s())
+    raise
 
 
 if __name__ == "__main__":

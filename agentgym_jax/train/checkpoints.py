@@ -35,6 +35,11 @@ def _abstract(tree: Any) -> Any:
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def path_name(path: tuple) -> str:
+  """A pytree key path as "backbone/layers/0/qkv"."""
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
 class Checkpointer:
   """Saves and restores (TrainState, meta) under `directory`.
 
@@ -113,6 +118,15 @@ class Checkpointer:
     args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
         item={name: target}, restore_args={name: restore_args}, partial_restore=True))
     return self._manager.restore(step, args=args)["state"][name]
+
+  def saved_shapes(self, name: str, step: int) -> dict[str, tuple[int, ...]]:
+    """{"a/b/c": shape} of every array of field `name` (e.g. "policy") in checkpoint `step`,
+    read from its metadata without loading any array."""
+    metadata = ocp.StandardCheckpointer().metadata(
+        os.path.join(self.directory, str(step), "state"))
+    tree = dict(getattr(metadata, "item_metadata", metadata))[name]
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {path_name(path): tuple(leaf.shape) for path, leaf in flat}
 
   def wait(self) -> None:
     """Blocks until every started save is on disk."""

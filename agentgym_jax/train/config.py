@@ -107,6 +107,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.env.name = "scripted"
   # Keyword arguments of the environment's constructor (e.g. reward_mode, url).
   c.env.kwargs = ml_collections.ConfigDict()
+  # env.name "remote" on several hosts: one env-service URL per host; process i uses
+  # urls[i % len(urls)] as its env.kwargs.url (launch/env_server.sh starts the services).
+  c.env.urls = ()
   # Environment worker processes in the pool.
   c.env.num_workers = 2
   # Seconds an environment step may take before its episode ends as failed.

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import evaluate
+from agentgym_jax import multihost
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.models import Decoder, save_hf
 from agentgym_jax.rl import advantages as advantages_lib
@@ -114,7 +115,7 @@ def _batch_diagnostics(host: Any, adv: jax.Array, old_logprobs: jax.Array,
     wanted["reward_kl"] = reward_kl
   if use_critic:
     wanted.update(values=values, returns=returns)
-  got = {k: np.asarray(v) for k, v in jax.device_get(wanted).items()}
+  got = multihost.fetch(wanted)
   mask = np.asarray(host.loss_mask).astype(bool)
   out = _masked_stats("batch/advantage", got["adv"], mask)
   out["rollout/logprob_gap"] = float(
@@ -135,10 +136,14 @@ def _due(step: int, every: int, total: int) -> bool:
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   """Trains per `config` in `workdir` (resuming from its newest checkpoint); returns the
-  metrics of the last step run (empty if the run was already complete)."""
+  metrics of the last step run (empty if the run was already complete).
+
+  On several hosts every process calls this with the same arguments (agentgym_jax/multihost.py
+  says who does what)."""
   ##############################################################################################
   #                                   Workdir and run info                                     #
   ##############################################################################################
+  config = multihost.process_config(config)
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
     metrics_lib.write_run_info(workdir, config)
@@ -149,6 +154,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   ##############################################################################################
   mesh = sharding_lib.make_mesh(config.mesh)
   rows_sharding = NamedSharding(mesh, P(sharding_lib.BATCH_AXES))
+  # This process's devices: where it rolls out its rows of each batch (the mesh, on one host).
+  share = multihost.process_share(mesh)
   check_batch_layout(config, mesh)
   if config.mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}.")
@@ -160,13 +167,17 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   ##############################################################################################
   #                               Tokenizer and environments                                   #
   ##############################################################################################
-  tok = sources.load_tokenizer(config, workdir)
+  # A "bpe:" tokenizer is trained and saved by process 0; the others then read it.
+  tok = multihost.process_zero_first(lambda: sources.load_tokenizer(config, workdir),
+                                     "tokenizer")
   splits = sources.task_splits(config)
   stream = data.TaskStream(splits[config.data.split], config.seed)
   rows = config.data.batch_tasks * config.data.group_size
   if bc:
     # Behaviour cloning draws `rows` demonstrations per step, in shuffled epochs.
-    demos = sources.demonstrations(config, tok)
+    # Played and cached by process 0 first; the others then read its cache (if they see it).
+    demos = multihost.process_zero_first(lambda: sources.demonstrations(config, tok),
+                                         "demonstrations")
     stream = data.TaskStream(range(len(demos)), config.seed)
   system_prompt = config.env.system_prompt or None
   sampling = SamplingConfig(temperature=config.rollout.temperature, top_p=config.rollout.top_p,
@@ -272,15 +283,19 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       else:
         task_ids = stream.take(cursor, config.data.batch_tasks)
         cursor += config.data.batch_tasks
+        mine = share.rows(rows)  # this process's rows of the batch (None: all of them)
         traj, stats = run_episodes(
-            policy_def, state.policy, tok, pool, task_ids, group_size=config.data.group_size,
-            max_turns=max_turns, sampling=sampling, max_context=config.rollout.max_context,
-            rng=_step_key(state, step, ROLLOUT_STREAM), system_prompt=system_prompt, mesh=mesh,
-            replicas=config.rollout.replicas)
+            policy_def, share.local(state.policy), tok, pool, task_ids,
+            group_size=config.data.group_size, max_turns=max_turns, sampling=sampling,
+            max_context=config.rollout.max_context, rng=_step_key(state, step, ROLLOUT_STREAM),
+            system_prompt=system_prompt, mesh=share.mesh, replicas=config.rollout.replicas,
+            rows=mine)
+        traj, stats["episodes"] = multihost.gather_trajectory(traj, stats["episodes"], mine,
+                                                              tok.pad_id)
       timer["rollout"] = time.perf_counter()
 
-      host = jax.device_get(traj)
-      put = lambda x: jax.device_put(np.asarray(x), rows_sharding)
+      host = jax.device_get(traj)  # the whole batch, on every process
+      put = lambda x: sharding_lib.put_global(np.asarray(x), rows_sharding)
       tokens, valid, mask = put(host.tokens), put(host.valid), put(host.loss_mask)
       if bc:
         # Cross-entropy needs neither the sampler's log-probs nor advantages.
@@ -324,6 +339,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       done = step + 1
       if _due(done, config.checkpoint.every_steps, config.total_steps):
         ckpt.save(done, state, meta_at(cursor))
+        multihost.check_replicas_agree(share, state.policy, f"Step {done}")
       timer["checkpoint"] = time.perf_counter()
       eval_metrics = run_eval(done) if _due(done, config.eval.every_steps,
                                             config.total_steps) else {}
@@ -373,10 +389,16 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   ##############################################################################################
   #                                          Export                                            #
   ##############################################################################################
-  if config.checkpoint.export_hf and jax.process_index() == 0:
-    export_hf(policy_def, state.policy, tok, os.path.join(workdir, HF_EXPORT_DIR))
+  if config.checkpoint.export_hf:
+    # Every process takes part in gathering its copy; process 0 writes it.
+    params = share.local(state.policy)
+    if jax.process_index() == 0:
+      export_hf(policy_def, params, tok, os.path.join(workdir, HF_EXPORT_DIR))
   if jax.process_index() == 0 and last:
     print(summary_line(workdir, time.perf_counter() - run_start), flush=True)
+  # The processes finish together: one that exits first waits for the others at shutdown
+  # only as long as the heartbeat timeout (sharding.maybe_initialize_distributed).
+  multihost.barrier("end of training")
   return last
 
 

@@ -19,7 +19,6 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-from tensorboardX import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -27,13 +26,15 @@ METRICS_FILE = "metrics.jsonl"
 def trajectory_metrics(traj: Any) -> dict[str, float]:
   """Outcome and length statistics of a rollout batch (Trajectory fields as host arrays).
 
-  episodes/: success_rate, reward_mean (Σ token rewards per row), score_mean (raw), turns_mean,
+  episodes/: count (the episodes averaged over: all of the batch, on several hosts too),
+  success_rate, reward_mean (Σ token rewards per row), score_mean (raw), turns_mean,
   reply_tokens_mean (sampled tokens per agent turn), length_mean (tokens per episode),
   truncated_rate, terminated_rate; batch/length (padded L).
   """
   loss_mask = np.asarray(traj.loss_mask)
   turns = np.asarray(traj.num_turns)
   return {
+      "episodes/count": float(turns.size),
       "episodes/success_rate": float(np.mean(traj.success)),
       "episodes/reward_mean": float(np.mean(np.sum(traj.rewards, axis=1))),
       "episodes/score_mean": float(np.mean(traj.score)),
@@ -99,6 +100,9 @@ class MetricWriter:
         kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
       with open(self.path, "w") as f:
         f.writelines(kept)
+    # Imported here: tensorboardX imports torch when it is installed (seconds at start-up),
+    # and only the process that writes metrics needs it.
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
     self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
   def write(self, step: int, metrics: Mapping[str, float]) -> None:

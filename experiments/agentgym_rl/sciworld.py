@@ -1,7 +1,7 @@
 r"""AgentGym-RL on SciWorld: Qwen2.5-Instruct + GRPO, fixed 20 turns or ScalingInter [10, 20, 30].
 
 Config arguments (`:k=v,...`, see common.py): schedule=fixed|scaling_inter, algo=grpo|ppo|
-reinforce_pp|rloo, model=3b|7b, runlocal. Needs Java >= 1.8 on every host (ScienceWorld).
+reinforce_pp|rloo, model=3b|7b|smollm2, runlocal. Needs Java >= 1.8 on every host (ScienceWorld).
 
 Train (16-chip slice; re-running the same line resumes):
   python -m agentgym_jax.train \
@@ -13,6 +13,11 @@ Evaluate (the paper's eval: 30 turns, 200 tokens per turn):
     --checkpoint=gs://BUCKET/agentgym/sciworld_si_7b --split=test --num_samples=1 \
     --max_turns=30 --max_reply_tokens=200 --output=gs://BUCKET/agentgym/sciworld_si_7b/eval
 CPU smoke run: launch/local.sh experiments/agentgym_rl/sciworld.py
+SmolLM2-135M-Instruct on one CPU device in 24 GB (model=smollm2, common.smollm2_on_cpu: 4 tasks
+x 4 samples, one row per micro-batch, remat, 2048-token context, lr 1e-5, greedy eval of the
+first 20 test tasks); zero-shot evaluation of the model itself, no checkpoint:
+  python -m agentgym_jax.evaluate --config=experiments/agentgym_rl/sciworld.py:model=smollm2 \
+    --split=test --num_tasks=20 --output=/tmp/smollm2/sciworld_zero_shot
 
 Expected (paper, arXiv 2509.08755 Table 5, SciWorld test set of 200 games, Overall %; the
 paper's numbers are fractions of games, i.e. Pass@1 with "score > 0", the evaluator's default):
@@ -60,6 +65,8 @@ def get_config(arg=None):
   c.env.num_workers = 16
   # JVM start and ScienceWorld's first step can take seconds under load.
   c.env.timeout_s = 120.0
+  if args.model == common.SMOLLM2:
+    common.smollm2_on_cpu(c)
   if args.runlocal:
     common.shrink_for_cpu(c, args, max_context=3072)
     c.env.timeout_s = 300.0  # two JVMs starting on a busy laptop

@@ -1,7 +1,7 @@
 r"""AgentGym-RL on SearchQA (Deep Search): Qwen2.5-Instruct + GRPO, fixed 5 turns or [5, 8, 10].
 
 Config arguments (`:k=v,...`, see common.py): schedule=fixed|scaling_inter, algo=grpo|ppo|
-reinforce_pp|rloo, model=3b|7b, runlocal. Our retriever is BM25 over an offline Wikipedia
+reinforce_pp|rloo, model=3b|7b|smollm2, runlocal. Our retriever is BM25 over an offline Wikipedia
 corpus, not upstream's dense E5 index over the 2018 dump, so absolute numbers may differ.
 
 Train (16-chip slice; re-running the same line resumes):
@@ -14,6 +14,11 @@ Evaluate (the paper's eval scripts: 30 turns, 512 tokens per turn):
     --checkpoint=gs://BUCKET/agentgym/searchqa_si_7b --split=test --num_samples=1 \
     --max_turns=30 --max_reply_tokens=512 --output=gs://BUCKET/agentgym/searchqa_si_7b/eval
 CPU smoke run: launch/local.sh experiments/agentgym_rl/searchqa.py
+SmolLM2-135M-Instruct on one CPU device in 24 GB (model=smollm2, common.smollm2_on_cpu: 4 tasks
+x 4 samples, one row per micro-batch, remat, 2048-token context, lr 1e-5, greedy eval of the
+first 20 test tasks); zero-shot evaluation of the model itself, no checkpoint:
+  python -m agentgym_jax.evaluate --config=experiments/agentgym_rl/searchqa.py:model=smollm2 \
+    --split=test --num_tasks=20 --output=/tmp/smollm2/searchqa_zero_shot
 
 Expected (paper, arXiv 2509.08755 Table 2, Deep Search test set, Overall %):
   Qwen2.5-3B-Instruct untrained 13.50 | 7B untrained 18.75
@@ -64,6 +69,8 @@ def get_config(arg=None):
   c.env.num_workers = 8
   # A search that takes longer than this has hung; its episode ends as failed.
   c.env.timeout_s = 60.0
+  if args.model == common.SMOLLM2:
+    common.smollm2_on_cpu(c)
   if args.runlocal:
     common.shrink_for_cpu(c, args)
   return base.lock(c)

@@ -4,11 +4,16 @@ WebArena runs as AgentGym's env server (its web sites in Docker, a browser per i
 `env.kwargs.url`; we reach it through `environments.client.RemoteEnv` (env name "remote").
 
 Config arguments (`:k=v,...`, see common.py): schedule=fixed|scaling_inter, algo=grpo|ppo|
-reinforce_pp|rloo, model=3b|7b, runlocal. runlocal cannot start WebArena's sites, so it
+reinforce_pp|rloo, model=3b|7b|smollm2, runlocal. runlocal cannot start WebArena's sites, so it
 exercises the same remote path against a local `environments.server` serving TextCraft:
   launch/env_server.sh start --env textcraft --port 36005
   launch/local.sh experiments/agentgym_rl/webarena.py
   launch/env_server.sh stop --env textcraft
+SmolLM2-135M-Instruct on one CPU device in 24 GB (model=smollm2, common.smollm2_on_cpu: 4 tasks
+x 4 samples, one row per micro-batch, remat, 2048-token context, lr 1e-5, greedy eval of the
+first 20 test tasks); zero-shot evaluation of the model itself, no checkpoint:
+  python -m agentgym_jax.evaluate --config=experiments/agentgym_rl/webarena.py:model=smollm2 \
+    --split=test --num_tasks=20 --output=/tmp/smollm2/webarena_zero_shot
 
 Train (16-chip slice; the WebArena server must be reachable from every host):
   python -m agentgym_jax.train \
@@ -72,6 +77,8 @@ def get_config(arg=None):
   c.env.num_workers = 8
   # A bit above the HTTP timeout, so the client reports the server's silence first.
   c.env.timeout_s = 660.0
+  if args.model == common.SMOLLM2:
+    common.smollm2_on_cpu(c)
   if args.runlocal:
     common.shrink_for_cpu(c, args)
     c.env.kwargs.env_name = "textcraft"  # served by environments.server; see the docstring

@@ -1,0 +1,300 @@
+"""Multi-host runs: one JAX process per host, each rolling out its own share of every batch.
+
+In JAX's multi-controller runtime every process runs the same Python program, and a jitted
+function over a mesh that spans processes is one SPMD program that every process must call
+in the same order with the same shapes. The scoring passes and the update are such programs.
+The episode runner cannot be one: a process's episodes end at their own turns and its
+environments answer at their own pace. So each process runs its share of the episodes on its
+own devices, and the pieces meet as whole batches:
+
+  share = process_share(mesh)
+  traj, stats = run_episodes(graphdef, share.local(params), ..., mesh=share.mesh,
+                             rows=share.rows(num_rows))
+  host, episodes = gather_trajectory(traj, stats["episodes"], share.rows(num_rows), pad_id)
+  tokens = sharding.put_global(host.tokens, rows_sharding)   # [B, L] over the whole mesh
+
+Row r of a batch is rolled out by the process whose devices hold row r under the batch
+sharding, with the random key and group id it has in the whole batch, so a run's samples do
+not depend on how many processes share it. After `gather_trajectory` every process holds the
+whole batch on the host (O(B * L) bytes, small next to a rollout), so the metrics are the
+same numbers on every process and average over all episodes.
+
+Requirements on the mesh: each process's devices form one block of it, and the `tensor` axis
+lies within a process (otherwise two processes would roll out the same rows). `data` and
+`fsdp` may span processes; parameters sharded over processes are gathered into a whole copy
+per process before a rollout (the same all-gather FSDP does in every forward).
+
+Files are written once, by process 0, with `process_zero_first` or a `barrier` where the
+others read what it wrote; the workdir must be a filesystem every host sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import math
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.rollout.trajectory import Episode, Trajectory, build_trajectory
+
+T = TypeVar("T")
+
+
+def _identity(tree):
+  return tree
+
+
+def _process_blocks(mesh: Mesh) -> dict[int, tuple[slice, ...]]:
+  """Each process's devices as one block of `mesh.devices`: {process: (slice per axis)}.
+
+  Raises:
+    ValueError: a process's devices are not one aligned block of the mesh, or the processes'
+      blocks differ in shape.
+  """
+  owner = np.vectorize(lambda d: d.process_index)(mesh.devices)
+  blocks = {}
+  for process in np.unique(owner):
+    where = np.nonzero(owner == process)
+    block = tuple(slice(int(i.min()), int(i.max()) + 1) for i in where)
+    extent = [b.stop - b.start for b in block]
+    aligned = all(b.start % e == 0 and n % e == 0
+                  for b, e, n in zip(block, extent, mesh.devices.shape))
+    if not aligned or math.prod(extent) != where[0].size:
+      raise ValueError(f"Process {process}'s devices are not one aligned block of mesh "
+                       f"{dict(mesh.shape)}; order the mesh's devices by process (the default "
+                       "of jax.make_mesh).")
+    blocks[int(process)] = block
+  shapes = {tuple(b.stop - b.start for b in block) for block in blocks.values()}
+  if len(shapes) > 1:
+    raise ValueError(f"The processes hold differently shaped blocks {sorted(shapes)} of mesh "
+                     f"{dict(mesh.shape)}; give every host the same number of devices.")
+  return blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessShare:
+  """This process's part of a mesh.
+
+  Attributes:
+    mesh: this process's devices of the whole mesh, same axis names (on one process: the whole
+      mesh, or None without one); rollouts run here.
+    whole: the whole mesh.
+    split: the whole mesh with every axis `a` that spans processes split in two,
+      (`a@processes`, `a`), so that a spec naming `a` shards within each process (None when no
+      parameter axis spans processes: the local shards are then already whole copies).
+  """
+
+  mesh: Mesh | None
+  whole: Mesh | None
+  split: Mesh | None
+
+  @property
+  def multi_process(self) -> bool:
+    return self.whole is not None and self.whole.is_multi_process
+
+  def rows(self, num_rows: int) -> np.ndarray | None:
+    """The rows [R] of a [num_rows] batch (split over the batch axes) on this process's devices;
+    None on a single process (all rows)."""
+    if not self.multi_process:
+      return None
+    sharding = NamedSharding(self.whole, P(sharding_lib.BATCH_AXES))
+    indices = sharding.addressable_devices_indices_map((num_rows,)).values()
+    return np.unique(np.concatenate([np.arange(num_rows)[index] for index in indices]))
+
+  def local(self, params: Any) -> Any:
+    """`params` (arrays on the whole mesh, as the train state holds them) on `self.mesh`.
+
+    A collective where a parameter axis spans processes (every process must call it): those
+    arrays are first gathered into one copy per process. Otherwise a view, no copy.
+    """
+    if not self.multi_process:
+      return params
+    leaves, treedef = jax.tree.flatten(params)
+    # Arrays already on this process's devices only (none in a train state) stay as they are.
+    spread = [i for i, x in enumerate(leaves)
+              if isinstance(x, jax.Array) and not x.is_fully_addressable]
+    arrays = [leaves[i] for i in spread]
+    if self.split is not None:
+      shardings = [NamedSharding(self.split, x.sharding.spec) for x in arrays]
+      arrays = jax.jit(_identity, out_shardings=shardings)(arrays)
+    for i, x in zip(spread, arrays):
+      leaves[i] = jax.make_array_from_single_device_arrays(
+          x.shape, NamedSharding(self.mesh, x.sharding.spec),
+          [shard.data for shard in x.addressable_shards])
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def process_share(mesh: Mesh | None) -> ProcessShare:
+  """This process's devices of `mesh` and how its parameters are brought there.
+
+  Raises:
+    ValueError: the mesh's `tensor` axis spans processes, or a process's devices are not one
+      block of the mesh.
+  """
+  if mesh is None or not mesh.is_multi_process:
+    return ProcessShare(mesh=mesh, whole=mesh, split=None)
+  blocks = _process_blocks(mesh)
+  block = blocks[jax.process_index()]
+  local = Mesh(mesh.devices[block], mesh.axis_names, axis_types=mesh.axis_types)
+  spanning = [a for a in mesh.axis_names if local.shape[a] < mesh.shape[a]]
+  duplicated = [a for a in spanning if a not in sharding_lib.BATCH_AXES]
+  if duplicated:
+    raise ValueError(f"Mesh axes {duplicated} of {dict(mesh.shape)} span processes, so several "
+                     f"processes would roll out the same rows; keep them within one host "
+                     f"({len(jax.local_devices())} devices) and give the processes to "
+                     f"{sharding_lib.BATCH_AXES}.")
+  split = None
+  if [a for a in spanning if a != "data"]:  # parameters are sharded over processes
+    names, sizes = [], []
+    for name in mesh.axis_names:
+      names += [f"{name}@processes", name]
+      sizes += [mesh.shape[name] // local.shape[name], local.shape[name]]
+    split = Mesh(mesh.devices.reshape(sizes), tuple(names),
+                 axis_types=(mesh.axis_types[0],) * len(names))
+  return ProcessShare(mesh=local, whole=mesh, split=split)
+
+
+def split_rows(num_rows: int) -> np.ndarray | None:
+  """An even, contiguous share [R] of `num_rows` rows for this process (None on one process).
+
+  For work whose rows are not tied to a sharding, such as evaluation; a process may get none.
+  """
+  if jax.process_count() == 1:
+    return None
+  return np.array_split(np.arange(num_rows), jax.process_count())[jax.process_index()]
+
+
+def allgather_objects(obj: T) -> list[T]:
+  """Every process's `obj`, in process order (a collective: every process must call it).
+
+  Objects travel pickled: the peers are this job's own processes.
+  """
+  if jax.process_count() == 1:
+    return [obj]
+  data = np.frombuffer(pickle.dumps(obj), np.uint8)
+  sizes = multihost_utils.process_allgather(np.int32(data.size))
+  # Padded to a power of two: one compiled gather per size class, not one per step.
+  padded = np.zeros(1 << max(10, int(sizes.max() - 1).bit_length()), np.uint8)
+  padded[:data.size] = data
+  gathered = multihost_utils.process_allgather(padded)
+  return [pickle.loads(gathered[p, :sizes[p]].tobytes()) for p in range(len(sizes))]
+
+
+def gather_trajectory(traj: Trajectory, episodes: Sequence[Episode], rows: np.ndarray | None,
+                      pad_id: int) -> tuple[Trajectory, list[Episode]]:
+  """The whole batch on every process, from each process's rows (a collective).
+
+  Args:
+    traj: this process's rollout, rows `rows` of the batch.
+    episodes: its host records (`run_episodes`' stats["episodes"]), one per row.
+    rows: [R] the batch rows this process ran; None on a single process.
+    pad_id: the tokenizer's pad id.
+  Returns:
+    (the batch as host arrays [B, L], L the bucket of the longest episode of all processes;
+    its B episode records in row order).
+  """
+  if rows is None:
+    return jax.device_get(traj), list(episodes)
+  pairs = sorted(itertools.chain.from_iterable(
+      allgather_objects(list(zip(rows.tolist(), episodes)))), key=lambda pair: pair[0])
+  if [row for row, _ in pairs] != list(range(len(pairs))):
+    raise RuntimeError(f"The processes rolled out rows {[row for row, _ in pairs]}, not each "
+                       "row of the batch once: they disagree on the mesh.")
+  ordered = [episode for _, episode in pairs]
+  return build_trajectory(ordered, pad_id), ordered
+
+
+def fetch(tree: Any) -> Any:
+  """Host copies of the arrays of `tree`, whole on every process.
+
+  Arrays sharded over several processes are gathered (a collective: every process must call
+  it with the same tree); others are copied from this process's devices.
+  """
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return multihost_utils.process_allgather(x, tiled=True)
+    return np.asarray(jax.device_get(x))
+  return jax.tree.map(one, tree)
+
+
+def barrier(name: str) -> None:
+  """Waits until every process reaches the barrier `name` (no-op on one process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def process_zero_first(fn: Callable[[], T], name: str) -> T:
+  """`fn()` on process 0, then on the others once it returned (e.g. to read what it wrote)."""
+  if jax.process_index() == 0:
+    out = fn()
+  barrier(name)
+  if jax.process_index() != 0:
+    out = fn()
+  return out
+
+
+@jax.jit
+def _fingerprints(params: Any) -> jax.Array:
+  """[leaves] uint32: a position-weighted sum of each array's bits (wrapping, so exact)."""
+  def one(x):
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    weights = jnp.arange(x.size, dtype=jnp.uint32).reshape(x.shape) * np.uint32(2654435761)
+    return jnp.sum(bits * (weights + np.uint32(1)), dtype=jnp.uint32)
+  return jnp.stack([one(x) for x in jax.tree.leaves(params)])
+
+
+def check_replicas_agree(share: ProcessShare, params: Any, what: str) -> None:
+  """Checks that every process holds bit-identical parameters (a collective; no-op on one).
+
+  The update is one SPMD program, so its outputs agree unless the processes diverged (fed the
+  update different batches, or ran different code); a checkpoint of diverged processes would
+  silently keep only some of them.
+
+  Raises:
+    RuntimeError: naming the processes and how many arrays differ from process 0's.
+  """
+  if not share.multi_process:
+    return
+  mine = np.asarray(_fingerprints(share.local(params)))
+  every = multihost_utils.process_allgather(mine)
+  differ = {p: int((every[p] != every[0]).sum()) for p in range(len(every))}
+  differ = {p: n for p, n in differ.items() if n}
+  if differ:
+    raise RuntimeError(f"{what}: the parameters of processes {sorted(differ)} differ from "
+                       f"process 0's in {max(differ.values())} of {every.shape[1]} arrays: the "
+                       "processes diverged. Rerun to resume from the last checkpoint; if it "
+                       "recurs, report it with every process's log.")
+  logging.info("%s: parameters agree on all %d processes (fingerprint %08x).", what, len(every),
+               int(np.bitwise_xor.reduce(mine)))
+
+
+def process_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """`config` as this process uses it: with `env.urls`, its own env service as env.kwargs.url.
+
+  Process i talks to env.urls[i % len(env.urls)], so each host can have its own replica of
+  the env service (`launch/env_server.sh`).
+
+  Raises:
+    ValueError: env.urls is set for an environment other than "remote".
+  """
+  urls = tuple(config.env.urls)
+  if not urls:
+    return config
+  if config.env.name != "remote":
+    raise ValueError(f"env.urls is set but env.name is {config.env.name!r}; env service URLs "
+                     "are for env.name='remote' (with env.kwargs.env_name).")
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.env.kwargs.url = urls[jax.process_index() % len(urls)]
+  return config

@@ -1,0 +1,137 @@
+"""What the tiny-model study shares: model, tokenizer, the BC stage and the RL stage.
+
+Not an experiment itself: `babyai.py` and `textcraft.py` are. Each states its environment,
+horizons and step counts in an `EnvSetting` and calls `study_config(args, setting)`.
+
+Config arguments (`--config=experiments/tiny/<env>.py:k=v,...`):
+  stage     "bc" (behaviour cloning from the environment's noisy expert) | "rl" (from a BC
+            checkpoint given by init=DIR).
+  algo      "grpo" | "ppo" (GAE + critic) | "reinforce_pp" | "rloo" (stage=rl only).
+  horizon   "fixed" (the setting's turn limit) | "short" | "long" (fixed limits of the horizon
+            study) | "scaling_inter" (short -> long, ScalingInter-RL).
+  init      the BC run's workdir (stage=rl); the tokenizer comes from there too.
+  seed      run seed (initialisation, task order, sampling).
+  runlocal  two steps of everything, few tasks (the CLI smoke test).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from agentgym_jax.train import config as base
+
+ALGOS = {"grpo": "grpo", "ppo": "gae", "reinforce_pp": "reinforce_plus_plus", "rloo": "rloo"}
+HORIZONS = ("fixed", "short", "long", "scaling_inter")
+
+# A 4-layer decoder of width 128 (about 0.9M parameters): small enough that an RL step of 32
+# episodes takes seconds on 2 CPU cores.
+TINY = dict(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=4, num_kv_heads=2,
+            head_dim=32, max_position_embeddings=2048)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSetting:
+  """One environment's row of the study."""
+
+  env: str
+  env_kwargs: dict
+  turns: int  # fixed turn limit of the main runs (and of evaluation).
+  short: int  # horizon study: the short fixed limit, and ScalingInter's first phase.
+  long: int  # horizon study: the long fixed limit, and ScalingInter's last phase.
+  max_reply_tokens: int
+  max_context: int
+  bc_steps: int
+  rl_steps: int
+  bc_noise: float  # probability that a demonstrated action is a random valid one.
+
+
+def parse(arg: str | None) -> ml_collections.ConfigDict:
+  args = base.parse_arg(arg, stage="bc", algo="grpo", horizon="fixed", init="", seed=0,
+                        runlocal=False)
+  if args.stage not in ("bc", "rl"):
+    raise ValueError(f"Config argument stage={args.stage!r} is not 'bc' or 'rl'.")
+  if args.algo not in ALGOS:
+    raise ValueError(f"Config argument algo={args.algo!r} is not one of {list(ALGOS)}.")
+  if args.horizon not in HORIZONS:
+    raise ValueError(f"Config argument horizon={args.horizon!r} is not one of {list(HORIZONS)}.")
+  if args.stage == "rl" and not args.init and not args.runlocal:
+    raise ValueError("stage=rl starts from a BC run: add init=<the BC run's workdir>.")
+  return args
+
+
+def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collections.ConfigDict:
+  """The base config with the study's model and the stage's fields (unlocked)."""
+  c = base.base_config()
+  c.seed = args.seed
+  c.model.arch.update(TINY)
+  # Byte-level BPE trained on the environment's own texts (instruction, observations, expert
+  # actions): the long instruction and the action grammar become a few hundred ids.
+  c.tokenizer.spec = "bpe:1024"
+  c.tokenizer.bpe_tasks = 128
+
+  c.env.name = s.env
+  c.env.kwargs = ml_collections.ConfigDict(s.env_kwargs)
+  c.env.num_workers = 2
+  c.env.timeout_s = 60.0
+  c.rollout.max_reply_tokens = s.max_reply_tokens
+  c.rollout.max_context = s.max_context
+  c.schedule.horizons = (s.turns,)
+
+  # Held-out: the whole test split, greedy, at the turn limit of the main runs.
+  c.eval.split = "test"
+  c.eval.num_tasks = 0
+  c.eval.temperature = 0.0
+  c.checkpoint.keep = 1
+  # No KL or entropy terms: the tiny model has no pretrained behaviour to protect.
+  c.algo.kl_coef = 0.0
+  c.algo.entropy_coef = 0.0
+  c.algo.minibatches = 2
+  # Memory only (the gradient is the same): 8-16 rows of up to 1536 tokens per micro-batch.
+  c.algo.microbatches = 2
+  c.optim.weight_decay = 0.0
+
+  if args.stage == "bc":
+    c.mode = "bc"
+    c.total_steps = s.bc_steps
+    c.bc.noise = s.bc_noise
+    # 32 demonstrations per step over all training tasks.
+    c.data.batch_tasks, c.data.group_size = 32, 1
+    c.optim.lr = 3e-3
+    c.optim.warmup_steps = 3
+    c.optim.decay = "cosine"
+    c.optim.end_lr_fraction = 0.1
+    c.eval.every_steps = max(1, s.bc_steps // 4)
+    c.checkpoint.every_steps = s.bc_steps
+  else:
+    c.init_from = args.init
+    c.total_steps = s.rl_steps
+    c.algo.advantage = ALGOS[args.algo]
+    # 4 tasks x 8 samples: the group of GRPO/RLOO baselines.
+    c.data.batch_tasks, c.data.group_size = 4, 8
+    c.algo.microbatches = 4
+    c.optim.lr = 5e-4
+    c.optim.critic_lr = 1e-3
+    c.eval.every_steps = max(1, s.rl_steps // 4)
+    c.checkpoint.every_steps = max(1, s.rl_steps // 4)
+    if args.horizon == "short":
+      c.schedule.horizons = (s.short,)
+    elif args.horizon == "long":
+      c.schedule.horizons = (s.long,)
+    elif args.horizon == "scaling_inter":
+      c.schedule.kind = "scaling_inter"
+      c.schedule.horizons = (s.short, (s.short + s.long) // 2, s.long)
+      c.schedule.steps_per_phase = max(1, s.rl_steps // 3)
+
+  if args.runlocal:
+    c.total_steps = 2
+    c.tokenizer.bpe_tasks = 8
+    c.bc.num_tasks = 8
+    c.data.batch_tasks = 4 if args.stage == "bc" else 2
+    c.data.group_size = 1 if args.stage == "bc" else 4
+    c.algo.microbatches = 1
+    c.eval.every_steps = 2
+    c.eval.num_tasks = 4
+    c.checkpoint.every_steps = 1
+  return c

@@ -1,0 +1,130 @@
+r"""Tables and curves of the tiny-model study from its runs' metrics.jsonl files.
+
+  python experiments/tiny/plot.py --root=/tmp/tiny --out=experiments/tiny
+
+reads ROOT/<env>/<run>/metrics.jsonl for every run that exists (bc, grpo, ppo, reinforce_pp,
+rloo, the horizon runs h_short, h_long, h_scaling_inter, and seed repeats <run>_s<seed>), then
+writes <env>_curves.png (held-out and training success vs step, one line per run),
+horizon_curves.png, and prints the markdown tables of experiments/tiny/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+
+ALGO_RUNS = ("grpo", "ppo", "reinforce_pp", "rloo")
+HORIZON_RUNS = ("h_short", "h_long", "h_scaling_inter")
+LABELS = {"grpo": "GRPO", "ppo": "PPO (GAE + critic)", "reinforce_pp": "REINFORCE++",
+          "rloo": "RLOO", "h_short": "fixed short", "h_long": "fixed long",
+          "h_scaling_inter": "ScalingInter-RL"}
+
+
+def read_run(path: str) -> list[dict]:
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def runs_of(env_dir: str) -> dict[str, list[list[dict]]]:
+  """{run name: [records of each seed]}; `grpo_s1` is seed 1 of `grpo`."""
+  runs = collections.defaultdict(list)
+  for name in sorted(os.listdir(env_dir)):
+    path = os.path.join(env_dir, name, "metrics.jsonl")
+    if os.path.exists(path):
+      runs[re.sub(r"_s\d+$", "", name)].append(read_run(path))
+  return runs
+
+
+def evals(records: list[dict]) -> list[tuple[int, float]]:
+  return [(r["step"], r["eval/success_rate"]) for r in records if "eval/success_rate" in r]
+
+
+def train_success(records: list[dict]) -> list[tuple[int, float]]:
+  return [(r["step"], r["episodes/success_rate"]) for r in records
+          if "episodes/success_rate" in r]
+
+
+def wall_minutes(records: list[dict]) -> float:
+  return sum(r.get("time/step", 0.0) for r in records) / 60
+
+
+def spread(values: list[float]) -> str:
+  if len(values) == 1:
+    return f"{100 * values[0]:.1f}"
+  mean = sum(values) / len(values)
+  return f"{100 * mean:.1f} ({', '.join(f'{100 * v:.1f}' for v in values)})"
+
+
+def table(env: str, runs: dict[str, list[list[dict]]], names: tuple[str, ...]) -> str:
+  """Markdown: held-out success of BC and each run's first/last evaluation."""
+  lines = ["| run | seeds | held-out success before, % | after, % | gain, points | steps | "
+           "training wall, min |", "|---|---:|---:|---:|---:|---:|---:|"]
+  if "bc" in runs:
+    bc = runs["bc"]
+    lines.append(f"| BC (noisy expert) | {len(bc)} | {spread([evals(r)[0][1] for r in bc])} | "
+                 f"{spread([evals(r)[-1][1] for r in bc])} | "
+                 f"{100 * (evals(bc[0])[-1][1] - evals(bc[0])[0][1]):+.1f} | "
+                 f"{bc[0][-1]['step']} | {wall_minutes(bc[0]):.1f} |")
+  for name in names:
+    if name not in runs:
+      continue
+    seeds = runs[name]
+    before = [evals(r)[0][1] for r in seeds]
+    after = [evals(r)[-1][1] for r in seeds]
+    gain = sum(a - b for a, b in zip(after, before)) / len(seeds)
+    lines.append(f"| {LABELS[name]} | {len(seeds)} | {spread(before)} | {spread(after)} | "
+                 f"{100 * gain:+.1f} | {seeds[0][-1]['step']} | "
+                 f"{sum(wall_minutes(r) for r in seeds) / len(seeds):.1f} |")
+  return f"**{env}**\n\n" + "\n".join(lines)
+
+
+def plot(runs: dict[str, list[list[dict]]], names: tuple[str, ...], title: str, out: str) -> None:
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for name in names:
+    for i, records in enumerate(runs.get(name, [])):
+      label = LABELS[name] if i == 0 else None
+      for ax, series in zip(axes, (evals(records), train_success(records))):
+        if series:
+          line, = ax.plot(*zip(*series), marker="o" if ax is axes[0] else None, label=label,
+                          alpha=1.0 if i == 0 else 0.5)
+          label = None
+          line.set_color(f"C{names.index(name)}")
+  axes[0].set_title(f"{title}: held-out success (greedy, test split)")
+  axes[1].set_title(f"{title}: training success (sampled)")
+  for ax in axes:
+    ax.set_xlabel("RL step")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+  axes[0].legend()
+  fig.tight_layout()
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--root", default="/tmp/tiny")
+  parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+  args = parser.parse_args()
+  for env in sorted(os.listdir(args.root)):
+    env_dir = os.path.join(args.root, env)
+    if not os.path.isdir(env_dir):
+      continue
+    runs = runs_of(env_dir)
+    print(table(env, runs, ALGO_RUNS), "\n")
+    plot(runs, ALGO_RUNS, env, os.path.join(args.out, f"{env}_curves.png"))
+    if any(name in runs for name in HORIZON_RUNS):
+      print(table(f"{env}, horizon study (GRPO)", runs, HORIZON_RUNS), "\n")
+      plot(runs, HORIZON_RUNS, f"{env} horizons", os.path.join(args.out, "horizon_curves.png"))
+
+
+if __name__ == "__main__":
+  main()

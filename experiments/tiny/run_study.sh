@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Runs the tiny-model study (experiments/tiny/README.md) one run after another, then draws it.
+#
+#   experiments/tiny/run_study.sh [ROOT] [PART...]
+#
+# ROOT (default /tmp/tiny) receives ROOT/<env>/<run>/ workdirs; re-running resumes or skips
+# finished runs. PARTs (default all): babyai textcraft horizon seeds.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+root="${1:-/tmp/tiny}"
+shift || true
+parts=("$@")
+[[ ${#parts[@]} -gt 0 ]] || parts=(babyai textcraft horizon seeds)
+python="${PYTHON:-python}"  # e.g. PYTHON=.venv/bin/python
+
+train() {  # train ENV RUN CONFIG_ARGS [--config.x=y ...]
+  local env="$1" run="$2" args="$3"
+  shift 3
+  echo "=== ${env}/${run}: ${args} $*"
+  if ! "${python}" -m agentgym_jax.train --config="experiments/tiny/${env}.py:${args}" \
+      --workdir="${root}/${env}/${run}" --config.log.progress_bar=False "$@" \
+      > "${root}/${env}/${run}.log" 2>&1; then
+    tail -5 "${root}/${env}/${run}.log" >&2
+    exit 1
+  fi
+  grep -E "^(eval at|Held-out)" "${root}/${env}/${run}.log"
+}
+
+for part in "${parts[@]}"; do
+  case "${part}" in
+    babyai | textcraft)
+      mkdir -p "${root}/${part}"
+      train "${part}" bc "stage=bc"
+      algos=(grpo ppo)
+      [[ "${part}" == babyai ]] && algos+=(reinforce_pp rloo)
+      for algo in "${algos[@]}"; do
+        train "${part}" "${algo}" "stage=rl,algo=${algo},init=${root}/${part}/bc"
+      done ;;
+    horizon)
+      for horizon in short long scaling_inter; do
+        train babyai "h_${horizon}" "stage=rl,algo=grpo,horizon=${horizon},init=${root}/babyai/bc"
+      done ;;
+    seeds)
+      for algo in grpo ppo; do
+        train babyai "${algo}_s1" "stage=rl,algo=${algo},seed=1,init=${root}/babyai/bc"
+      done ;;
+    *) echo "unknown part ${part}; use babyai, textcraft, horizon or seeds" >&2; exit 2 ;;
+  esac
+done
+"${python}" experiments/tiny/plot.py --root="${root}" --out=experiments/tiny
