@@ -381,6 +381,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         progress.set_postfix(nll=f"{step_metrics['actor/nll']:.3f}")
       else:
         progress.set_postfix(success=f"{step_metrics['episodes/success_rate']:.2f}",
+                             reward=f"{step_metrics['episodes/reward_mean']:.2f}",
                              turns=max_turns)
       if eval_metrics:
         _report_eval(done, eval_metrics)
@@ -418,7 +419,8 @@ def summary_line(workdir: str, seconds: float) -> str:
   records = metrics_lib.read_metrics(workdir)
   evals = [(r["step"], r["eval/success_rate"]) for r in records if "eval/success_rate" in r]
   steps = max((r["step"] for r in records), default=0)
-  where = f"{steps} steps, {seconds / 60:.1f} min in this process; results in {workdir}"
+  where = (f"{steps} steps, {seconds / 60:.1f} min in this process; results in {workdir}, "
+           f"view them with: python -m agentgym_jax.viewer {workdir}")
   if not evals:
     return f"Done: {where}."
   (first_step, first), (last_step, final) = evals[0], evals[-1]
