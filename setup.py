@@ -42,6 +42,9 @@ EXTRAS = {
     "parity": ["torch==2.13.0", "accelerate"],
 }
 EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})
+# To view the TensorBoard files a run writes (`tensorboard --logdir WORKDIR/tb`); nothing here
+# imports it, so `all` leaves it out.
+EXTRAS["tensorboard"] = ["tensorboard"]
 
 setuptools.setup(
     name="agentgym-jax",
@@ -49,7 +52,8 @@ setuptools.setup(
     description="Multi-turn reinforcement learning for LLM agents in text environments, in JAX.",
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["agentgym_jax*", "environments*"]),
-    package_data={"environments": ["*/data/*", "*/data/**/*"]},
+    package_data={"environments": ["*/data/*", "*/data/**/*"],
+                  "agentgym_jax": ["viewer/static/*"]},
     include_package_data=True,
     install_requires=CORE,
     extras_require=EXTRAS,

@@ -40,12 +40,13 @@ from ml_collections import config_flags
 import numpy as np
 from flax import nnx
 
+from agentgym_jax import cli
 from agentgym_jax import eval_metrics
 from agentgym_jax import multihost
 from agentgym_jax import sharding
 from agentgym_jax.rollout import SamplingConfig, run_episodes, save_jsonl
 from agentgym_jax.rollout.trajectory import build_trajectory
-from agentgym_jax.train import sources
+from agentgym_jax.train import checkpoints, sources
 from agentgym_jax.tokenization import ChatTokenizer
 from environments.workers import EnvPool
 
@@ -262,13 +263,23 @@ def table_env_name(config) -> str:
   return config.env.name
 
 
+def check_policy_flags(checkpoint: str | None, hf_model: str | None) -> None:
+  """Exits with one line, before anything is read or written, when the policy flags cannot
+  name a policy (e.g. a tokenizer would otherwise be written into a wrong --checkpoint)."""
+  if checkpoint and hf_model:
+    cli.fatal("Pass at most one of --checkpoint=WORKDIR (a training run) or --hf_model=DIR (an "
+              "HF checkpoint directory); neither evaluates the config's model.")
+  if checkpoint and not os.path.isdir(os.path.join(checkpoint, checkpoints.CHECKPOINT_DIR)):
+    cli.fatal(f"--checkpoint={checkpoint} has no {checkpoints.CHECKPOINT_DIR}/ directory; pass "
+              "the --workdir of a training run.")
+  if hf_model and not os.path.isdir(hf_model):
+    cli.fatal(f"--hf_model={hf_model} is not a directory; pass an HF checkpoint directory "
+              "(config.json, *.safetensors and the tokenizer files).")
+
+
 def _load_policy(config, checkpoint: str | None, hf_model: str | None, step: int | None, mesh):
   """(graphdef, state, tokenizer, label) from a training workdir, an HF directory or, given
-  neither, the config's own model source."""
-  if checkpoint and hf_model:
-    raise ValueError("Pass at most one of --checkpoint=WORKDIR (a training run) or "
-                     "--hf_model=DIR (an HF checkpoint directory); neither evaluates the "
-                     "config's model.")
+  neither, the config's own model source (`check_policy_flags` passed)."""
   if not checkpoint and not hf_model:
     tok = sources.load_tokenizer(config, None)
     graphdef, state = nnx.split(sources.build_policy(config, tok, mesh))
@@ -281,9 +292,6 @@ def _load_policy(config, checkpoint: str | None, hf_model: str | None, step: int
     return graphdef, params, tok, f"{os.path.basename(checkpoint.rstrip('/'))} step {step}"
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from agentgym_jax.models import load_hf  # pylint: disable=import-outside-toplevel
-  if not os.path.isdir(hf_model):
-    raise ValueError(f"--hf_model {hf_model!r} is not a directory (config.json, *.safetensors "
-                     "and the tokenizer files).")
   tok = ChatTokenizer.from_pretrained(hf_model)
   _, model = load_hf(hf_model, mesh=mesh, dtype=jnp.dtype(config.model.dtype))
   graphdef, state = nnx.split(model)
@@ -294,8 +302,10 @@ def main(argv: Sequence[str]) -> None:
   """Evaluates per the flags below; only process 0 writes files."""
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {list(argv[1:])}")
+  config = cli.config_from_flag()
+  check_policy_flags(_FLAGS["checkpoint"].value, _FLAGS["hf_model"].value)
   sharding.maybe_initialize_distributed()
-  config = multihost.process_config(_FLAGS["config"].value)
+  config = multihost.process_config(config)
   mesh = sharding.make_mesh(config.mesh)
   graphdef, state, tok, label = _load_policy(
       config, _FLAGS["checkpoint"].value, _FLAGS["hf_model"].value, _FLAGS["step"].value, mesh)

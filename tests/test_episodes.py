@@ -3,6 +3,7 @@ correctness against re-encoding, bounded compilation, stop rules, compaction, sh
 
 import collections
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT
 from agentgym_jax.rollout.trajectory import segments
 from agentgym_jax.sharding import make_mesh
 from agentgym_jax.tokenization import ChatTokenizer
+from agentgym_jax.train import trajectories
 from environments.scripted.env import BOXES, INSTRUCTION
 from environments.workers import EnvPool, StepOutcome
 
@@ -78,7 +80,8 @@ class FakePool:
 
   def reset(self, task_ids):
     self.tasks, self.turns = list(task_ids), [0] * len(task_ids)
-    return [StepOutcome(f"Task {t} begins.", 0.0, False, False, {"instruction": "Play."})
+    return [StepOutcome(f"Task {t} begins.", 0.0, False, False,
+                        {"instruction": "Play.", "category": f"kind {t % 2}"})
             for t in task_ids]
 
   def step(self, slots, responses):
@@ -89,7 +92,8 @@ class FakePool:
       done = self.turns[slot] >= length
       reward = 0.25 * length if done else 0.01 * self.turns[slot]
       outs.append(StepOutcome(f"Turn {self.turns[slot]}: you said {len(response)} chars.",
-                              reward, done, False, {"success": done, "score": 10 * reward}))
+                              reward, done, False,
+                              {"success": done, "score": 10 * reward, "action": response[:5]}))
     return outs
 
 
@@ -359,6 +363,43 @@ def test_save_jsonl(tok, model, tmp_path):
     agent = [s["text"] for s in line["segments"] if s["role"] == "agent"]
     assert [a.removesuffix(tok.end_of_turn) for a in agent] == replies
     assert line["stop_reason"] == "terminated" and line["reward"] == e.reward
+    # Per turn: the reply, the environment's parse of it, its answer and that step's reward.
+    assert line["category"] == f"kind {e.task_id % 2}"
+    assert [t["agent"] for t in line["turns"]] == replies
+    assert [t["action"] for t in line["turns"]] == [r[:5] for r in replies]
+    assert [t["observation"] for t in line["turns"]] == [
+        m["content"] for m in line["messages"][4::2]]
+    length = e.task_id % 4 + 1
+    assert [t["reward"] for t in line["turns"]] == pytest.approx(
+        [0.01 * (k + 1) for k in range(length - 1)] + [0.25 * length])
+
+
+def test_saved_training_step_has_per_token_advantages_and_values(tok, model, tmp_path):
+  graphdef, state = nnx.split(model)
+  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 2, 1, 2], max_turns=3,
+                             sampling=SAMPLING, max_context=1024, rng=0, compact=False)
+  rng = np.random.default_rng(0)
+  advantages = rng.normal(size=traj.tokens.shape).astype(np.float32)
+  values = rng.normal(size=traj.tokens.shape).astype(np.float32)
+  path = trajectories.save_step(str(tmp_path), 7, traj, stats["episodes"], tok.decode, 3,
+                                advantages=advantages, values=values)
+  assert path == str(tmp_path / "trajectories" / "step_7.jsonl")
+  assert os.listdir(tmp_path / "trajectories") == ["step_7.jsonl"]  # no temporary file left
+  lines = [json.loads(line) for line in open(path)]
+  assert [line["task_id"] for line in lines] == [1, 2, 1]  # the first 3 rows
+  for row, line in enumerate(lines):
+    assert line["step"] == 7 and len(line["turns"]) == line["num_turns"]
+    for seg in line["segments"]:
+      cols = slice(seg["start"], seg["start"] + len(seg["tokens"]))
+      assert seg["loss_mask"] == int(seg["role"] == "agent")
+      assert all(np.asarray(traj.loss_mask)[row, cols] == seg["loss_mask"])
+      if seg["role"] != "agent":
+        assert "advantages" not in seg
+        continue
+      assert len(seg["pieces"]) == len(seg["tokens"])
+      np.testing.assert_allclose(seg["logprobs"], traj.sample_logprobs[row, cols], atol=1e-4)
+      np.testing.assert_allclose(seg["advantages"], advantages[row, cols], atol=1e-4)
+      np.testing.assert_allclose(seg["values"], values[row, cols], atol=1e-4)
 
 
 def test_bad_arguments(tok, model):

@@ -36,9 +36,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = "experiments/keypad/learn.py:runlocal"
 # The runlocal config, minus what only costs time here (in-loop evaluation, the HF export),
 # plus an entropy bonus: its gradient is never zero, so the parameters move at every step
-# even when no episode succeeds, and comparing them across runs is never vacuous.
+# even when no episode succeeds, and comparing them across runs is never vacuous. The checks
+# read the trainer's INFO log (restored checkpoints, fingerprints), so it stays on the console.
 TRAIN_FLAGS = ["--config.log.progress_bar=False", "--config.eval.every_steps=0",
-               "--config.checkpoint.export_hf=False", "--config.algo.entropy_coef=0.01"]
+               "--config.checkpoint.export_hf=False", "--config.algo.entropy_coef=0.01",
+               "--alsologtostderr"]
 # Seconds without heartbeats before the job stops (sharding.HEARTBEAT_TIMEOUT_ENV).
 HEARTBEAT_S = 10
 # The stated bound for a lost process to stop the others, with room for a busy machine.

@@ -84,7 +84,8 @@ def test_runlocal_smoke_run_checkpoints_resumes_and_exports(smoke):
   # Step 0 is the evaluation of the starting policy, before any update.
   assert [m["step"] for m in after_one] == [0, 1]
   assert all(k.startswith("eval/") for k in set(after_one[0]) - {"step"})
-  assert "Restored checkpoint 1" in log
+  with open(os.path.join(workdir, "train.log")) as f:
+    assert "Restored checkpoint 1" in f.read()  # INFO goes to the log file, not the console
   assert "Held-out success" in log  # the before/after summary line
   lines = metrics(workdir)
   assert [m["step"] for m in lines] == [0, 1, 2]

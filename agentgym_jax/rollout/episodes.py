@@ -285,6 +285,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
   running = np.zeros(num, bool)
   for i, (e, out) in enumerate(zip(episodes, outcomes)):
     e.messages = opening_messages(out.info, out.observation, system_prompt, acknowledgement)
+    e.category = out.info.get("category")
     e.append(tok.encode_opening(e.messages), turn=-1)
     if out.terminated or out.truncated:
       e.finish("error" if "error" in out.info else "terminated", terminated=out.terminated,
@@ -371,6 +372,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
       e.success = bool(out.info.get("success", False))
       e.score = float(out.info.get("score", out.reward))
       e.messages.append({"role": "user", "content": out.observation})
+      e.actions.append(out.info.get("action"))
       if out.terminated or out.truncated:
         reason = ("error" if "error" in out.info else
                   "terminated" if out.terminated else "env_truncated")

@@ -69,8 +69,10 @@ class Trajectory:
 class Episode:
   """Host-side record of one episode while it runs (lists grow turn by turn).
 
-  `messages` is the conversation as text (for inspection); `stop_reason` is one of
-  "terminated", "env_truncated", "error", "max_turns", "context".
+  `messages` is the conversation as text (for inspection); `actions` the environment's parse
+  of each turn's reply (None where not recorded); `category` the task's reset
+  `info["category"]`; `stop_reason` is one of "terminated", "env_truncated", "error",
+  "max_turns", "context".
   """
 
   task_id: int
@@ -81,6 +83,8 @@ class Episode:
   turn_index: list[int] = dataclasses.field(default_factory=list)
   turn_rewards: list[float] = dataclasses.field(default_factory=list)
   messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
+  actions: list[str | None] = dataclasses.field(default_factory=list)
+  category: str | None = None
   num_turns: int = 0
   reward: float = 0.0
   success: bool = False
@@ -186,28 +190,57 @@ def segments(traj: Trajectory, row: int) -> list[dict[str, Any]]:
   return out
 
 
+def episode_turns(episode: Episode) -> list[dict[str, Any]]:
+  """Per agent turn: {"turn", "agent" (reply text), "action" (parsed), "observation" (the
+  environment's answer), "reward" (that step's reward)}.
+
+  Each turn added an assistant and a user message after the opening ones, so the turns are
+  the last 2 * num_turns messages.
+  """
+  talk = episode.messages[len(episode.messages) - 2 * episode.num_turns:]
+  if len(talk) != 2 * episode.num_turns:
+    return []
+  rewards = np.zeros(episode.num_turns)
+  for turn, reward in zip(episode.turn_index, episode.turn_rewards):
+    if 0 <= turn < episode.num_turns:
+      rewards[turn] += reward
+  return [{"turn": t, "agent": talk[2 * t]["content"],
+           "action": episode.actions[t] if t < len(episode.actions) else None,
+           "observation": talk[2 * t + 1]["content"], "reward": float(rewards[t])}
+          for t in range(episode.num_turns)]
+
+
+def episode_record(traj: Trajectory, row: int, decode, episode: Episode | None = None
+                   ) -> dict[str, Any]:
+  """Row `row` as a JSON-ready dict: outcome fields and token segments with their text; with
+  the runner's `episode`, also its stop reason, category, messages and `episode_turns`."""
+  record: dict[str, Any] = {
+      "task_id": int(traj.task_id[row]), "group_id": int(traj.group_id[row]),
+      "num_turns": int(traj.num_turns[row]), "success": bool(traj.success[row]),
+      "score": float(traj.score[row]), "reward": float(np.asarray(traj.rewards[row]).sum()),
+      "terminated": bool(traj.terminated[row]), "truncated": bool(traj.truncated[row]),
+      "num_tokens": int(np.asarray(traj.valid[row]).sum()),
+  }
+  if episode is not None:
+    record.update(stop_reason=episode.stop_reason, category=episode.category,
+                  messages=episode.messages, turns=episode_turns(episode))
+  record["segments"] = [dict(seg, text=decode(seg["tokens"])) for seg in segments(traj, row)]
+  return record
+
+
 def save_jsonl(path: str, traj: Trajectory, decode, episodes: Sequence[Episode] | None = None,
                append: bool = False) -> None:
-  """Writes one JSON line per episode: outcome fields, token segments with their text.
+  """Writes one JSON line per episode (`episode_record`).
 
   Args:
     path: output file (overwritten, or extended when `append`).
     traj: the batch.
     decode: ids -> text (e.g. `ChatTokenizer.decode`).
     episodes: the runner's host records, adding the stop reason and the conversation as
-      messages (incl. the final observation, which is not part of the token sequence).
+      messages and turns (incl. the final observation, which is not part of the token
+      sequence).
   """
   with open(path, "a" if append else "w") as f:
     for row in range(traj.batch_size):
-      line: dict[str, Any] = {
-          "task_id": int(traj.task_id[row]), "group_id": int(traj.group_id[row]),
-          "num_turns": int(traj.num_turns[row]), "success": bool(traj.success[row]),
-          "score": float(traj.score[row]), "reward": float(np.asarray(traj.rewards[row]).sum()),
-          "terminated": bool(traj.terminated[row]), "truncated": bool(traj.truncated[row]),
-          "num_tokens": int(np.asarray(traj.valid[row]).sum()),
-      }
-      if episodes is not None:
-        line["stop_reason"] = episodes[row].stop_reason
-        line["messages"] = episodes[row].messages
-      line["segments"] = [dict(seg, text=decode(seg["tokens"])) for seg in segments(traj, row)]
-      f.write(json.dumps(line) + "\n")
+      record = episode_record(traj, row, decode, episodes[row] if episodes is not None else None)
+      f.write(json.dumps(record) + "\n")

@@ -4,26 +4,36 @@ r"""Command line of the trainer.
       --workdir=DIR [--config.a.b=v ...]
 
 Re-running with the same --workdir resumes from its newest checkpoint. A `--config.x=v`
-override of a field the config does not have stops the run before anything starts, naming
-the field.
+override of a field the config does not have, a missing config file, a --workdir that is a
+file or an unknown environment stops the run with one line before anything is written.
+
+The terminal shows the progress bar, a line per held-out evaluation and the summary line;
+absl/orbax INFO logging goes to WORKDIR/train.log (`--alsologtostderr` shows it here too).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 
+import environments
+import jax
+import ml_collections
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from agentgym_jax import cli
 from agentgym_jax import sharding
 
-_CONFIG = config_flags.DEFINE_config_file(
+config_flags.DEFINE_config_file(
     "config", None, "Experiment config file, e.g. experiments/scripted/grpo.py:runlocal.",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, exports.")
 flags.mark_flags_as_required(["config", "workdir"])
+LOG_FILE = "train.log"
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
@@ -42,19 +52,50 @@ def _parse_flags(argv: list[str]) -> list[str]:
     sys.exit(f"FATAL: {e}\nPass --helpshort for the flags.")
 
 
+def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Fails with one line when the run cannot start, before anything is written."""
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    cli.fatal(f"--workdir={workdir} is a file; pass a directory (a new one, or a run's workdir "
+              "to resume it).")
+  if config.env.name not in environments.REGISTRY:
+    cli.fatal(f"Unknown environment config.env.name={config.env.name!r}; set "
+              f"--config.env.name to one of {sorted(environments.REGISTRY)}.")
+  try:
+    environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
+  except ValueError as e:  # a remote env that names no served environment, or an unknown one
+    cli.fatal(f"config.env: {e}")
+
+
+def log_to_workdir(workdir: str) -> str:
+  """Sends INFO logging to a file in `workdir` (one per process) and keeps only warnings and
+  errors on the terminal, unless --alsologtostderr; returns the file's path."""
+  index = jax.process_index()
+  path = os.path.join(workdir, LOG_FILE if index == 0 else f"train.process{index}.log")
+  handler = logging.FileHandler(path)
+  handler.setFormatter(absl_logging.PythonFormatter())
+  logging.getLogger().addHandler(handler)
+  if not flags.FLAGS.alsologtostderr:
+    absl_logging.get_absl_handler().setLevel(logging.WARNING)
+  return path
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  config, workdir = cli.config_from_flag(), _WORKDIR.value
+  check_run(config, workdir)
   logging.getLogger().setLevel(logging.INFO)
   # A preempted job gets SIGTERM: turn it into an exception so the trainer's cleanup runs and
   # waits for a checkpoint that is still being written instead of dying mid-save.
   signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
   multi_process = sharding.maybe_initialize_distributed()
+  os.makedirs(workdir, exist_ok=True)
+  log_to_workdir(workdir)
   # Imported once the distributed runtime is up, so nothing at import time can touch a device
   # before it.
   from agentgym_jax.train import loop  # pylint: disable=import-outside-toplevel
   try:
-    loop.train(_CONFIG.value, _WORKDIR.value)
+    loop.train(config, workdir)
   except Exception:
     if multi_process:
       # When a peer is lost, the first error here is a collective's ("Connection closed by

@@ -230,6 +230,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.log.every_steps = 1
   # Show a tqdm progress bar on stderr.
   c.log.progress_bar = True
+  # Save a sample of every this many steps' episodes (and the last step's), per turn and per
+  # token, to workdir/trajectories/step_N.jsonl for `python -m agentgym_jax.viewer` (0 = never).
+  c.log.trajectories_every = 10
+  # Episodes per saved step: the batch's first rows (whole groups of its first tasks).
+  c.log.trajectories_episodes = 8
 
   # ----- evaluation during training ----------------------------------------------------------
   c.eval = ml_collections.ConfigDict()

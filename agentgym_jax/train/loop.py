@@ -35,6 +35,7 @@ from agentgym_jax.rollout import SamplingConfig, build_trajectory, run_episodes
 from agentgym_jax.rollout.episodes import replica_meshes
 from agentgym_jax.train import checkpoints, data, metrics as metrics_lib, sources
 from agentgym_jax.train import state as state_lib
+from agentgym_jax.train import trajectories
 from agentgym_jax.train import update as update_lib
 from environments.workers import EnvPool
 
@@ -335,11 +336,17 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       update_metrics = jax.device_get(update_metrics)
       timer["update"] = time.perf_counter()
 
-      # ----- checkpoint and evaluation -----
+      # ----- checkpoint, saved trajectories and evaluation -----
       done = step + 1
       if _due(done, config.checkpoint.every_steps, config.total_steps):
         ckpt.save(done, state, meta_at(cursor))
         multihost.check_replicas_agree(share, state.policy, f"Step {done}")
+      if _due(done, config.log.trajectories_every, config.total_steps):
+        per_token = {} if bc else multihost.fetch(
+            {"advantages": adv} | ({"values": values} if update_cfg.use_critic else {}))
+        if jax.process_index() == 0:
+          trajectories.save_step(workdir, done, host, chosen if bc else stats["episodes"],
+                                 tok.decode, config.log.trajectories_episodes, **per_token)
       timer["checkpoint"] = time.perf_counter()
       eval_metrics = run_eval(done) if _due(done, config.eval.every_steps,
                                             config.total_steps) else {}
@@ -374,6 +381,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         progress.set_postfix(nll=f"{step_metrics['actor/nll']:.3f}")
       else:
         progress.set_postfix(success=f"{step_metrics['episodes/success_rate']:.2f}",
+                             reward=f"{step_metrics['episodes/reward_mean']:.2f}",
                              turns=max_turns)
       if eval_metrics:
         _report_eval(done, eval_metrics)
@@ -411,7 +419,8 @@ def summary_line(workdir: str, seconds: float) -> str:
   records = metrics_lib.read_metrics(workdir)
   evals = [(r["step"], r["eval/success_rate"]) for r in records if "eval/success_rate" in r]
   steps = max((r["step"] for r in records), default=0)
-  where = f"{steps} steps, {seconds / 60:.1f} min in this process; results in {workdir}"
+  where = (f"{steps} steps, {seconds / 60:.1f} min in this process; results in {workdir}, "
+           f"view them with: python -m agentgym_jax.viewer {workdir}")
   if not evals:
     return f"Done: {where}."
   (first_step, first), (last_step, final) = evals[0], evals[-1]
