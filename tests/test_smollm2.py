@@ -161,4 +161,5 @@ def test_smollm2_bc_then_grpo_exports_what_transformers_reloads(gguf_path, tmp_p
   reloaded = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
   with torch.no_grad():
     theirs = reloaded(input_ids=torch.tensor([ids])).logits[0].numpy()
-  assert np.abs(ours - theirs).max() < 1e-4
+  # Measured 9.7e-5 on logits up to 40 in magnitude (float32 on both sides).
+  assert np.abs(ours - theirs).max() < 2e-4

@@ -217,7 +217,8 @@ def smollm2_on_cpu(c: ml_collections.ConfigDict) -> None:
   c.mesh = (("data", -1), ("fsdp", 1), ("tensor", 1))
   # Two env workers: environment steps are cheap next to the model on a small host.
   c.env.num_workers = 2
-  # Greedy on the first 20 test tasks: a deterministic held-out score in minutes, not hours.
+  # Greedy on the first 20 test tasks: deterministic, and affordable on a CPU (10 BabyAI tasks
+  # of 10 turns x 64 tokens took 4.8 minutes zero-shot, every reply running to the cap).
   c.eval.temperature = 0.0
   c.eval.num_tasks = 20
 

@@ -23,7 +23,7 @@ train() {  # train ENV RUN CONFIG_ARGS [--config.x=y ...]
     tail -5 "${root}/${env}/${run}.log" >&2
     exit 1
   fi
-  grep -E "^(eval at|Held-out)" "${root}/${env}/${run}.log"
+  grep -E "^(eval at|Held-out)" "${root}/${env}/${run}.log" || true  # none: already complete
 }
 
 for part in "${parts[@]}"; do
