@@ -3,7 +3,7 @@ r"""Tables and curves of the tiny-model study from its runs' metrics.jsonl files
   python experiments/tiny/plot.py --root=/tmp/tiny --out=experiments/tiny
 
 reads ROOT/<env>/<run>/metrics.jsonl for every run that exists (bc, grpo, ppo, reinforce_pp,
-rloo, grpo_lr5e-4 (`--config.optim.lr=5e-4`), the horizon runs h_short, h_long, h_scaling_inter, and seed repeats <run>_s<seed>), then
+rloo, the horizon runs h_short, h_long, h_scaling_inter, and seed repeats <run>_s<seed>), then
 writes <env>_curves.png (held-out and training success vs step, one line per run),
 horizon_curves.png, and prints the markdown tables of experiments/tiny/README.md.
 """
@@ -21,10 +21,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 
-ALGO_RUNS = ("grpo", "ppo", "reinforce_pp", "rloo", "grpo_lr5e-4")
+ALGO_RUNS = ("grpo", "ppo", "reinforce_pp", "rloo")
 HORIZON_RUNS = ("h_short", "h_long", "h_scaling_inter")
 LABELS = {"grpo": "GRPO", "ppo": "PPO (GAE + critic)", "reinforce_pp": "REINFORCE++",
-          "rloo": "RLOO", "grpo_lr5e-4": "GRPO, lr 5e-4 (first try)", "h_short": "fixed short", "h_long": "fixed long",
+          "rloo": "RLOO", "h_short": "fixed short", "h_long": "fixed long",
           "h_scaling_inter": "ScalingInter-RL"}
 
 
