@@ -227,7 +227,7 @@ def test_splits():
 def test_data_files_are_package_data():
   # The patterns setup.py really ships for the `environments` package.
   with open(os.path.join(ROOT, "setup.py")) as f:
-    match = re.search(r'package_data=\{"environments": (\[[^\]]*\])\}', f.read())
+    match = re.search(r'package_data=\{"environments": (\[[^\]]*\])', f.read())
   patterns = json.loads(match.group(1))
   for name in ("recipes.json", "splits.json", "README.md"):
     path = os.path.join(ROOT, "environments", "textcraft", "data", name)
