@@ -166,3 +166,15 @@ def test_missing_tensor_is_a_clear_error(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(config))
   with pytest.raises(KeyError, match="lm_head.weight"):
     load_hf(tmp_path)
+
+
+def test_export_keeps_rope_context_length_an_integer(tmp_path):
+  """transformers warns when original_max_position_embeddings comes back as a float (32.0)."""
+  write_checkpoint(tmp_path / "in", "llama3")
+  _, model = load_hf(tmp_path / "in")
+  save_hf(model, tmp_path / "out")
+  with open(tmp_path / "out" / "config.json") as f:
+    rope = json.load(f)["rope_parameters"]
+  assert rope["original_max_position_embeddings"] == 16
+  assert isinstance(rope["original_max_position_embeddings"], int)
+  assert isinstance(rope["factor"], float)

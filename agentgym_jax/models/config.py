@@ -66,7 +66,7 @@ class ModelConfig:
   num_kv_heads: int
   head_dim: int | None = None
   rope_theta: float = 10000.0
-  rope_scaling: tuple[tuple[str, float], ...] | None = None
+  rope_scaling: tuple[tuple[str, float | int], ...] | None = None
   rms_norm_eps: float = 1e-6
   tie_embeddings: bool = True
   qkv_bias: bool = False
@@ -95,8 +95,8 @@ class ModelConfig:
       raise ValueError(f"param_dtype {self.param_dtype!r} is not one of {_DTYPES}.")
     if self.model_type not in _FAMILIES:
       raise ValueError(f"model_type {self.model_type!r} is not one of {sorted(_FAMILIES)}.")
-    if isinstance(self.rope_scaling, Mapping):
-      object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+    if self.rope_scaling is not None:
+      object.__setattr__(self, "rope_scaling", _rope_scaling_items(self.rope_scaling))
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
 
@@ -274,4 +274,11 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, float], ...] |
   missing = [k for k in keys if k not in merged]
   if missing:
     raise ValueError(f"llama3 rope scaling lacks {missing}.")
-  return float(theta), tuple(sorted((k, float(merged[k])) for k in keys))
+  return float(theta), _rope_scaling_items({k: merged[k] for k in keys})
+
+
+def _rope_scaling_items(scaling) -> tuple[tuple[str, float | int], ...]:
+  """llama3 scaling as sorted (key, value) pairs: the context length an int (transformers
+  warns on reading a float one back), the factors floats."""
+  return tuple(sorted((k, int(v) if k == "original_max_position_embeddings" else float(v))
+                      for k, v in dict(scaling).items()))
