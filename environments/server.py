@@ -18,7 +18,9 @@ Extensions, not in upstream: `GET /health` (instance count, resident memory), `G
 optional `reward_mode` in the /create body, and a `textenv` field in /step answers carrying
 the environment's own reward, truncation flag and info; `environments.client.RemoteEnv` uses
 them for exact parity with a local env.
-`--strict` drops the `textenv` field and the expert, so the server answers as upstream does.
+`--strict` drops the `textenv` field and the expert and runs every instance in the "paper"
+reward mode unless /create names another, so the server answers, and ends episodes, as
+upstream does.
 
 Thread safety: id allocation and the instance table are guarded by one lock; each instance has
 its own lock, so calls on different instances run concurrently in the thread pool.
@@ -160,8 +162,14 @@ class EnvService:
   # ----- endpoints ---------------------------------------------------------------------------
 
   def create(self, task_id: int | None = None, reset_to_own_id: bool = False,
-             reward_mode: str = "normalized") -> Any:
-    """A new instance, reset to `task_id` (or to its own id) where upstream's server does so."""
+             reward_mode: str | None = None) -> Any:
+    """A new instance, reset to `task_id` (or to its own id) where upstream's server does so.
+
+    `reward_mode` None takes the service's default: "paper" when strict, because that mode is
+    AgentGym's own reward and episode end (a BabyAI success worth 0.5 or less does not end the
+    episode upstream), else "normalized".
+    """
+    reward_mode = reward_mode or ("paper" if self.strict else "normalized")
     env = self.env_factory(reward_mode=reward_mode)
     with self._lock:
       instance_id = self._next_id
@@ -253,8 +261,13 @@ async def _json_body(request: fastapi.Request, required: bool = True) -> dict[st
     return {}
   try:
     body = json.loads(raw)
-  except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-    raise RequestError(400, f"The request body is not valid JSON ({exc}).") from exc
+  except RecursionError as exc:
+    raise RequestError(400, "The request body is nested too deeply to parse; send a flat JSON "
+                            "object.") from exc
+  except ValueError as exc:
+    # Malformed text, bad UTF-8, and integers past Python's 4300-digit conversion limit.
+    raise RequestError(400, f"The request body is not valid JSON this server can read ({exc}); "
+                            "send a JSON object.") from exc
   if not isinstance(body, dict):
     raise RequestError(400, f"The request body must be a JSON object, got {type(body).__name__}.")
   return body
@@ -328,8 +341,8 @@ def build_app(service: EnvService) -> fastapi.FastAPI:
     if body.get("commands") is not None or body.get("goal") is not None:
       raise RequestError(400, "Custom TextCraft commands/goal are not supported; create "
                               "without them and reset to a task id.")
-    reward_mode = "normalized"
-    if not service.strict and "reward_mode" in body:
+    reward_mode = None  # the service's default: upstream's rewards and episode ends if strict
+    if "reward_mode" in body:
       # Our client's extension: the instance computes rewards as the client's local env would.
       reward_mode = _str_field(body, "reward_mode", "/create")
       if reward_mode not in REWARD_MODES:

@@ -131,6 +131,27 @@ def test_strict_server_gives_local_rewards_and_success(servers, name):
       env.close()
 
 
+def test_strict_babyai_server_continues_after_a_late_success_as_upstream(servers):
+  """AgentGym's BabyAI server ends an episode only on a success worth more than 0.5; a late
+  one (36 wasted turns of GoToRedBall's 64-primitive budget) leaves it running."""
+  url = servers("babyai", strict=True)
+  local = environments.make("babyai", reward_mode="paper")
+  remote = environments.make("remote", url=url, env_name="babyai", reward_mode="paper")
+  try:
+    for env in (local, remote):
+      env.reset(options={"task_id": 1})
+    for _ in range(36):
+      want, got = local.step("turn left"), remote.step("turn left")
+    while not want[4]["success"]:
+      action = local.expert_action()
+      want, got = local.step(action), remote.step(action)
+    assert 0 < want[4]["score"] <= 0.5 and not want[2]
+    assert got[2] is False and got[1] == pytest.approx(want[1])
+  finally:
+    remote.close()
+    local.close()
+
+
 # ----- AgentGym's own clients ------------------------------------------------------------------
 
 
@@ -181,6 +202,10 @@ def test_agentgym_client_calls_work(servers, name):
     ("post", "/step", b'{"id": 0, "action": "inc"', 400, "not valid JSON"),
     ("post", "/reset", b'[1, 2]', 400, "must be a JSON object"),
     ("post", "/reset", b'', 400, "empty"),
+    # Valid JSON that Python's parser refuses: an integer past its 4300-digit limit, and
+    # nesting past its recursion limit.
+    ("post", "/step", b'{"id": ' + b"7" * 5000 + b', "action": "inc"}', 400, "not valid JSON"),
+    ("post", "/step", b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
     ("post", "/step", b'{"action": "inc"}', 400, "needs the field 'id'"),
     ("post", "/reset", b'{"id": 0}', 400, "needs the field 'data_idx'"),
     ("post", "/step", b'{"id": "zero", "action": "inc"}', 400, "must be an integer"),
