@@ -54,6 +54,7 @@ class TextEnv(gymnasium.Env, abc.ABC):
     self.reward_mode = reward_mode
     self.task_id: int | None = None
     self.done = False
+    self.action_chars = 0  # characters of the last action given to `step`, before sanitising
 
   # ----- gymnasium API ---------------------------------------------------------------------
 
@@ -79,6 +80,9 @@ class TextEnv(gymnasium.Env, abc.ABC):
     if self.done:
       return ("The episode has ended; reset the environment to start a new task.", 0.0, True,
               False, {"success": False, "score": 0.0, "task_id": self.task_id})
+    # The length the agent sent: `sanitize_text` caps it, and an environment that refuses long
+    # actions must report the real one.
+    self.action_chars = len(action)
     action = sanitize_text(action)
     observation, reward, terminated, truncated, info = self._step(action)
     self.done = bool(terminated or truncated)

@@ -222,6 +222,9 @@ def test_too_long_action_never_reaches_the_simulator(env):
   observation, _, _, _, info = env.step("open door to kitchen " * 100)
   assert info["error"] == "action too long" and str(MAX_ACTION_CHARS) in observation
   assert info["moves"] == 0
+  # Measured before the sanitiser's 8192-character cap.
+  observation = env.step("open door to kitchen " * 5000)[0]
+  assert "Your action is 105000 characters long" in observation
 
 
 # ----- process hygiene ---------------------------------------------------------------------------

@@ -107,7 +107,7 @@ class SciWorldEnv(TextEnv):
   def _step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
     if len(action) > MAX_ACTION_CHARS:
       return self._unchanged(
-          f"Your action is {len(action)} characters long; ScienceWorld commands are short "
+          f"Your action is {self.action_chars} characters long; ScienceWorld commands are short "
           f"(at most {MAX_ACTION_CHARS} characters), e.g. 'open door to kitchen'.",
           "action too long")
     observation, completed, moves = self._sw_step(action)
