@@ -247,3 +247,19 @@ def test_splits():
   assert levels == {babyai_env.level_of(t)[0] for t in train}
   assert len(levels) == 18 and "KeyInBox" not in levels and "BossLevel" not in levels
   assert max(train) // 40 == 44 and min(test) // 40 == 45  # unseen seeds at test time
+
+
+def test_minigrid_pin_and_mission_differences_are_documented_beside_the_env():
+  """data/README.md names the minigrid we pin and the missions that differ from AgentGym's
+  minigrid 2.3.1 (tasks 155, 156), and what it says of them is what the env does."""
+  import importlib.metadata
+  import pathlib
+  import re
+  readme = (pathlib.Path(babyai_env.__file__).parent / "data" / "README.md").read_text()
+  assert f"minigrid=={importlib.metadata.version('minigrid')}" in readme
+  assert "2.3.1" in readme
+  documented = dict(re.findall(r"^  - (\d+): `([^`]+)`$", readme, re.MULTILINE))
+  assert set(documented) == {"155", "156"}
+  env = BabyAIEnv()
+  for task_id, mission in documented.items():
+    assert env.reset(options={"task_id": int(task_id)})[1]["mission"] == mission

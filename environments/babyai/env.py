@@ -17,6 +17,8 @@ Renamed level: AgentGym pins minigrid < 2.5, whose `BabyAI-GoToObjS6-v0` was reg
 `room_size=4`. minigrid 3 registers only `BabyAI-GoToObjS6-v1` (room size 6, a different
 task). We keep AgentGym's behaviour by making `BabyAI-GoToObjS4-v0` (the same `GoToObj` class
 with `room_size=4`) for the level still called "GoToObjS6" here (task ids N % 40 == 3).
+We run minigrid 3.2.0, AgentGym 2.3.1; `data/README.md` lists the tasks whose missions differ
+between the two (155 and 156).
 
 Rewards. minigrid pays `1 - 0.9 * primitives / max_steps` on success. As upstream, a step
 counts as successful when the macro's last primitive is; then
