@@ -54,6 +54,23 @@ def task_splits(name: str, env_name: str | None = None) -> dict[str, list[int]]:
   For `name="remote"`, `env_name` names the served environment (a key of `REGISTRY`, or
   "webarena"), whose split is used.
   """
+  splits = _split_file(name, env_name)
+  return {split: ids for split, ids in splits.items() if split != "categories"}
+
+
+def task_categories(name: str, env_name: str | None = None) -> dict[int, str]:
+  """Task id -> the category that `reset` reports in info["category"], from the split file.
+
+  A remote environment's server does not send it (AgentGym's protocol has no field for it),
+  so `environments.client` fills it in from here; evaluation groups its columns by it. Empty
+  for environments whose split file lists no categories.
+  """
+  categories = _split_file(name, env_name).get("categories", {})
+  return {int(task_id): category for task_id, category in categories.items()}
+
+
+def _split_file(name: str, env_name: str | None) -> dict:
+  """The parsed data/splits.json of `name` (a remote env's: of the environment it serves)."""
   if name == "remote":
     if not env_name:
       raise ValueError("task_splits('remote') needs env_name= (the served environment, e.g. "

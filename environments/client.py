@@ -167,7 +167,9 @@ class RemoteEnv(TextEnv):
       response = self._request("POST", "/reset",
                                self.protocol.reset_body(self.instance_id, task_id))
     self._last_raw, self._last_success = 0.0, False
-    return self.protocol.read_reset(response), {}
+    # AgentGym's protocol carries no category; the split file knows each task's.
+    category = _categories(self.env_name).get(int(task_id))
+    return self.protocol.read_reset(response), {} if category is None else {"category": category}
 
   def _step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
     # AgentGym's clients answer these responses themselves, without a server round trip; our
@@ -242,6 +244,15 @@ def _webarena_action(response: str) -> str:
 
 def _webarena_format(action: str, thought: bool = True) -> str:  # pylint: disable=unused-argument
   return f"In summary, the next action I will perform is ```{action}```"
+
+
+@functools.cache
+def _categories(env_name: str) -> dict[int, str]:
+  """Task id -> category of the served environment (none for one without a split file)."""
+  try:
+    return environments.task_categories(env_name)
+  except ValueError:
+    return {}
 
 
 @functools.cache

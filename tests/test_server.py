@@ -5,6 +5,7 @@ concurrency. Every server runs in a subprocess on a free loopback port and is al
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import os
@@ -150,6 +151,31 @@ def test_strict_babyai_server_continues_after_a_late_success_as_upstream(servers
   finally:
     remote.close()
     local.close()
+
+
+@pytest.mark.parametrize("name", REAL_ENVS)
+def test_remote_reset_info_has_the_local_category(servers, name):
+  """AgentGym's protocol sends no category; the client fills it in from the split file, so
+  remote evaluations keep their per-category columns."""
+  url = servers(name, strict=True)
+  local = environments.make(name)
+  remote = environments.make("remote", url=url, env_name=name)
+  try:
+    splits = environments.task_splits(name)
+    for task_id in splits["test"][:3] + splits["train"][:2]:
+      want = local.reset(options={"task_id": task_id})[1]["category"]
+      assert remote.reset(options={"task_id": task_id})[1]["category"] == want
+  finally:
+    remote.close()
+    local.close()
+
+
+def test_webarena_split_names_each_test_task_site():
+  """The paper's WebArena columns hold 15 Shopping, 15 CMS, 10 Maps, 10 GitLab+Reddit tasks."""
+  categories = environments.task_categories("remote", "webarena")
+  assert sorted(categories) == sorted(environments.task_splits("remote", "webarena")["test"])
+  counts = collections.Counter(categories.values())
+  assert counts == {"shopping": 15, "shopping_admin": 15, "map": 10, "gitlab": 5, "reddit": 5}
 
 
 # ----- AgentGym's own clients ------------------------------------------------------------------
