@@ -18,9 +18,14 @@ Writes into --output: `eval_<split>.json` (settings, metrics, per-task results),
 `eval_<split>.md` (a table shaped like the paper's) and `episodes_<split>.jsonl` (every
 episode's tokens and text).
 
+The trainer's in-loop evaluation is this module's `evaluate` too, and writes the same report
+into WORKDIR/eval/step_<N>/. Both draw their samples from `eval_key(seed, step)`, so this
+command on a run's checkpoint of step N prints the table the trainer wrote at step N.
+
 Categories come from the environment's reset `info["category"]` (TextCraft's crafting depth,
-SciWorld's task, BabyAI's level, SearchQA's question source) and are grouped into the paper's
-columns by `PAPER_COLUMNS`; a category no rule matches is reported under its own name.
+SciWorld's task, BabyAI's level, SearchQA's question source; a remote env's from its split
+file) and are grouped into the paper's columns by `PAPER_COLUMNS`; a category no rule matches
+is reported under its own name.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from typing import Any
 
 from absl import app, flags, logging
 import jax
+import jax.numpy as jnp
+import ml_collections
 from ml_collections import config_flags
 import numpy as np
 from flax import nnx
@@ -44,11 +51,14 @@ from agentgym_jax import cli
 from agentgym_jax import eval_metrics
 from agentgym_jax import multihost
 from agentgym_jax import sharding
-from agentgym_jax.rollout import SamplingConfig, run_episodes, save_jsonl
+from agentgym_jax.models import load_hf
+from agentgym_jax.rollout import SamplingConfig, envs, run_episodes, save_jsonl
 from agentgym_jax.rollout.trajectory import build_trajectory
 from agentgym_jax.train import checkpoints, sources
 from agentgym_jax.tokenization import ChatTokenizer
-from environments.workers import EnvPool
+
+# The stream id folded into an evaluation's key (the trainer's rollout is 0, its update 1).
+EVAL_STREAM = 2
 
 # The paper's table columns per environment: (column, regex searched in the env's category).
 # Order is the paper's; the first matching rule wins.
@@ -83,22 +93,38 @@ def paper_column(env_name: str, category: str | None) -> str | None:
   return str(category)
 
 
-class _RecordingPool:
-  """Passes calls through to an env pool and keeps each task's reset `info["category"]`."""
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+  """What an evaluation runs: `config.eval`'s defaults, each replaceable by a CLI flag."""
 
-  def __init__(self, pool: Any):
-    self._pool = pool
-    self.categories: dict[int, str | None] = {}
+  split: str
+  num_tasks: int  # the split's first N tasks; 0 = all
+  num_samples: int  # n, episodes per task
+  max_turns: int
+  temperature: float  # 0 = greedy
+  max_reply_tokens: int
+  pass_criterion: str = "score>0"  # or "success"
+  ks: tuple[int, ...] = (1,)  # Pass@k estimates to add (k > n are skipped)
 
-  def reset(self, task_ids: Sequence[int], *args, **kwargs):
-    outcomes = self._pool.reset(task_ids, *args, **kwargs)
-    for task_id, out in zip(task_ids, outcomes):
-      if "error" not in out.info:
-        self.categories.setdefault(int(task_id), out.info.get("category"))
-    return outcomes
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, **overrides: Any) -> "EvalSettings":
+    """The config's settings, with the `overrides` that are not None (the CLI's flags).
 
-  def __getattr__(self, name: str) -> Any:  # step, env_cls, ... of the wrapped pool
-    return getattr(self._pool, name)
+    The turn limit defaults to the schedule's longest horizon: the turn budget the trained
+    agent is meant for.
+    """
+    settings = cls(split=config.eval.split, num_tasks=config.eval.num_tasks,
+                   num_samples=config.eval.group_size, max_turns=max(config.schedule.horizons),
+                   temperature=config.eval.temperature,
+                   max_reply_tokens=config.rollout.max_reply_tokens)
+    return dataclasses.replace(settings,
+                               **{k: v for k, v in overrides.items() if v is not None})
+
+
+def eval_key(seed: int, step: int) -> jax.Array:
+  """The sampling key of the evaluation of the policy after `step` training steps: the same in
+  the trainer and on the command line, so both draw the same episodes."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), EVAL_STREAM)
 
 
 @dataclasses.dataclass
@@ -106,6 +132,7 @@ class EvalResult:
   """Per-episode outcomes ([E] each, E = tasks x n, grouped by task) and their summary."""
 
   summary: dict[str, dict[str, float]]
+  settings: dict[str, Any]  # what ran, as written at the head of the report
   task_ids: list[int]
   rewards: np.ndarray  # final reward as trained on (normalised unless reward_mode="paper")
   scores: np.ndarray  # the environment's raw final score
@@ -114,58 +141,50 @@ class EvalResult:
   num_turns: np.ndarray
   stop_reasons: list[str]
   categories: dict[int, str | None]
+  seconds: float  # wall time of the episodes
 
 
-def evaluate_policy(
-    graphdef: nnx.GraphDef,
-    state: nnx.State,
-    tok: ChatTokenizer,
-    pool: Any,
-    task_ids: Sequence[int],
-    *,
-    env_name: str,
-    num_samples: int,
-    max_turns: int,
-    sampling: SamplingConfig,
-    max_context: int,
-    rng: jax.Array | int = 0,
-    chunk_tasks: int = 0,
-    system_prompt: str | None = None,
-    mesh: jax.sharding.Mesh | None = None,
-    replicas: int = 1,
-    pass_criterion: str = "score>0",
-    ks: Sequence[int] = (1,),
-    episodes_path: str | None = None,
-) -> EvalResult:
-  """Runs every task `num_samples` times and summarises the outcomes per paper column.
+def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef: nnx.GraphDef,
+             state: nnx.State, tok: ChatTokenizer, pool: Any, *, rng: jax.Array,
+             mesh: jax.sharding.Mesh | None = None, episodes_path: str | None = None
+             ) -> EvalResult:
+  """Runs every task of the settings' split n times and summarises per paper column.
+
+  The trainer's in-loop evaluation and `python -m agentgym_jax.evaluate` both call this, so
+  they sample alike (the rollout's top-p/top-k at `settings.temperature`), name the
+  environment alike (a remote env by the one it serves), and run the same chunks: as many
+  tasks at a time as fill the rows of one training step, which are known to fit in memory.
 
   Args:
+    config: the run's config (environment, rollout limits, data layout).
+    settings: see `EvalSettings`.
     graphdef, state: `nnx.split(policy)`.
     tok: the policy's chat tokenizer.
-    pool: an `environments.workers.EnvPool` (or anything with its reset/step interface).
-    task_ids: tasks to evaluate.
-    env_name: the environment's name, selecting the paper's column layout.
-    num_samples: n, episodes per task.
-    max_turns: agent turns per episode at most.
-    sampling: decoding (temperature 0 = greedy).
-    max_context: tokens per episode at most.
-    rng: key or seed; chunk c uses fold_in(rng, c).
-    chunk_tasks: tasks per rollout call (memory bound: rows = chunk_tasks * n); 0 = all.
-    system_prompt: system message (None: the chat template's default).
+    pool: an `environments.workers.EnvPool` from `envs.make_pool(config)` (or anything with
+      its reset/step interface).
+    rng: the sampling key (`eval_key`); chunk c uses fold_in(rng, c).
     mesh: shard rollout rows over its data axes. On a mesh over several processes every
       process must call this (with the same arguments): each runs an even share of the
       episodes on its own devices and every process gets the result of all of them.
-    replicas: independent rollout batches (`run_episodes`), per process.
-    pass_criterion: "score>0" (upstream) or "success".
-    ks: Pass@k estimates to add (k > n are skipped).
     episodes_path: write every episode as JSONL here (from one process only).
+  Raises:
+    ValueError: an unknown split, or no task to evaluate.
   """
-  task_ids = [int(t) for t in task_ids]
+  splits = envs.task_splits(config)
+  if settings.split not in splits:
+    raise ValueError(f"Split {settings.split!r} not in {config.env.name}'s splits "
+                     f"{sorted(splits)}.")
+  task_ids = splits[settings.split]
+  task_ids = [int(t) for t in (task_ids[:settings.num_tasks] if settings.num_tasks else task_ids)]
   if not task_ids:
     raise ValueError("No tasks to evaluate: the split is empty or --num_tasks is 0.")
-  recorder = _RecordingPool(pool)
-  key = jax.random.key(rng) if isinstance(rng, int) else rng
-  chunk = chunk_tasks or len(task_ids)
+  env_name = envs.served_name(config)
+  sampling = SamplingConfig(temperature=settings.temperature, top_p=config.rollout.top_p,
+                            top_k=config.rollout.top_k,
+                            max_reply_tokens=settings.max_reply_tokens)
+  n = settings.num_samples
+  start_time = time.perf_counter()
+  chunk = max(1, config.data.batch_tasks * config.data.group_size // n)
   # On several hosts each process runs an even share of every chunk's episodes on its own
   # devices (keys and group ids of the whole chunk, so the samples are those of one process).
   share = multihost.process_share(mesh)
@@ -173,21 +192,18 @@ def evaluate_policy(
   mine = []  # (chunk, row, Episode) run by this process
   for c, start in enumerate(range(0, len(task_ids), chunk)):
     chunk_ids = task_ids[start:start + chunk]
-    rows = multihost.split_rows(len(chunk_ids) * num_samples)
+    rows = multihost.split_rows(len(chunk_ids) * n)
     if rows is not None and not rows.size:
       continue
     _, stats = run_episodes(
-        graphdef, local_state, tok, recorder, chunk_ids, group_size=num_samples,
-        max_turns=max_turns, sampling=sampling, max_context=max_context,
-        rng=jax.random.fold_in(key, c), system_prompt=system_prompt, mesh=share.mesh,
-        replicas=replicas, rows=rows)
+        graphdef, local_state, tok, pool, chunk_ids, group_size=n,
+        max_turns=settings.max_turns, sampling=sampling, max_context=config.rollout.max_context,
+        rng=jax.random.fold_in(rng, c), system_prompt=config.env.system_prompt or None,
+        mesh=share.mesh, replicas=config.rollout.replicas, rows=rows)
     ran = range(len(stats["episodes"])) if rows is None else rows.tolist()
     mine += [(c, row, e) for row, e in zip(ran, stats["episodes"])]
   gathered = sorted(itertools.chain.from_iterable(multihost.allgather_objects(mine)),
                     key=lambda item: item[:2])
-  categories = {}
-  for part in multihost.allgather_objects(recorder.categories):
-    categories.update(part)
   episodes = [e for _, _, e in gathered]
   if episodes_path:
     open(episodes_path, "w").close()
@@ -197,27 +213,41 @@ def evaluate_policy(
                  chunk_episodes, append=True)
 
   ids = [e.task_id for e in episodes]
+  categories: dict[int, str | None] = {}
+  for e in episodes:  # an episode whose reset failed has no category; its task's others may
+    if e.category is not None or e.task_id not in categories:
+      categories[e.task_id] = e.category
   scores = np.array([e.score for e in episodes], np.float64)
   success = np.array([e.success for e in episodes], bool)
-  passed = eval_metrics.passed_from(scores, success, pass_criterion)
+  passed = eval_metrics.passed_from(scores, success, settings.pass_criterion)
   rewards = np.array([e.reward for e in episodes], np.float64)
   columns = {t: paper_column(env_name, cat) for t, cat in categories.items()}
   order = [column for column, _ in PAPER_COLUMNS.get(env_name, ())]
   summary = eval_metrics.summarize(ids, rewards, passed, columns, order,
-                                   ks=[k for k in ks if k <= num_samples])
+                                   ks=[k for k in settings.ks if k <= n])
   # The raw-score mean too (SciWorld's 0..100 score, BabyAI's step-discounted reward).
   for column, metrics in eval_metrics.summarize(ids, scores, passed, columns, order).items():
     summary[column]["avg_raw"] = metrics["avg"]
-  return EvalResult(summary=summary, task_ids=ids, rewards=rewards, scores=scores,
-                    success=success, passed=passed,
+  report_settings = {
+      "env": env_name, "num_tasks": len(task_ids), "num_samples": n,
+      "max_turns": settings.max_turns, "max_reply_tokens": settings.max_reply_tokens,
+      "temperature": settings.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
+      "max_context": config.rollout.max_context, "pass_criterion": settings.pass_criterion,
+      "seed": config.seed}
+  return EvalResult(summary=summary, settings=report_settings, task_ids=ids, rewards=rewards,
+                    scores=scores, success=success, passed=passed,
                     num_turns=np.array([e.num_turns for e in episodes], np.int32),
-                    stop_reasons=[e.stop_reason for e in episodes],
-                    categories=categories)
+                    stop_reasons=[e.stop_reason for e in episodes], categories=categories,
+                    seconds=time.perf_counter() - start_time)
 
 
-def write_report(result: EvalResult, output_dir: str, label: str, settings: dict[str, Any],
-                 split: str) -> tuple[str, str]:
-  """Writes eval_<split>.json and eval_<split>.md into `output_dir`; returns their paths."""
+def write_report(result: EvalResult, output_dir: str, label: str, split: str
+                 ) -> tuple[str, str]:
+  """Writes eval_<split>.json and eval_<split>.md into `output_dir`; returns their paths.
+
+  The markdown holds what the run was and its table, nothing that varies between two runs of
+  the same evaluation (the JSON adds the seconds it took).
+  """
   os.makedirs(output_dir, exist_ok=True)
   per_task = {}
   for i, task_id in enumerate(result.task_ids):
@@ -229,7 +259,8 @@ def write_report(result: EvalResult, output_dir: str, label: str, settings: dict
     row["success"].append(bool(result.success[i]))
     row["num_turns"].append(int(result.num_turns[i]))
     row["stop_reasons"].append(result.stop_reasons[i])
-  report = {"label": label, "split": split, "settings": settings, "metrics": result.summary,
+  report = {"label": label, "split": split, "settings": result.settings,
+            "seconds": round(result.seconds, 1), "metrics": result.summary,
             "tasks": list(per_task.values())}
   json_path = os.path.join(output_dir, f"eval_{split}.json")
   with open(json_path, "w") as f:
@@ -241,6 +272,7 @@ def write_report(result: EvalResult, output_dir: str, label: str, settings: dict
                                if k.startswith("pass@") and k != f"pass@{n}"]
   rows = eval_metrics.summary_rows(label, result.summary, metrics)
   columns = list(result.summary)
+  settings = result.settings
   lines = [f"# {label}: {settings['env']} {split}", "",
            ", ".join(f"{k}={v}" for k, v in settings.items()), "",
            eval_metrics.markdown_table(rows, columns),
@@ -254,13 +286,6 @@ def write_report(result: EvalResult, output_dir: str, label: str, settings: dict
 
 
 # ----- command line ------------------------------------------------------------------------------
-
-
-def table_env_name(config) -> str:
-  """The environment whose paper table applies: a remote env's served environment."""
-  if config.env.name == "remote":
-    return str(config.env.kwargs.get("env_name", "remote"))
-  return config.env.name
 
 
 def check_policy_flags(checkpoint: str | None, hf_model: str | None) -> None:
@@ -277,25 +302,27 @@ def check_policy_flags(checkpoint: str | None, hf_model: str | None) -> None:
               "(config.json, *.safetensors and the tokenizer files).")
 
 
+def checkpoint_label(workdir: str, step: int) -> str:
+  """The table's row label for a training run's policy after `step` steps."""
+  return f"{os.path.basename(workdir.rstrip('/'))} step {step}"
+
+
 def _load_policy(config, checkpoint: str | None, hf_model: str | None, step: int | None, mesh):
-  """(graphdef, state, tokenizer, label) from a training workdir, an HF directory or, given
-  neither, the config's own model source (`check_policy_flags` passed)."""
+  """(graphdef, state, tokenizer, label, training steps behind it) from a training workdir, an
+  HF directory or, given neither, the config's own model source (`check_policy_flags`
+  passed)."""
   if not checkpoint and not hf_model:
     tok = sources.load_tokenizer(config, None)
     graphdef, state = nnx.split(sources.build_policy(config, tok, mesh))
     label = os.path.basename(config.model.path.rstrip("/")) or config.model.source
-    return graphdef, state, tok, label
+    return graphdef, state, tok, label, 0
   if checkpoint:
-    # Imported here: the trainer imports this module for its in-loop evaluation.
-    from agentgym_jax.train import loop  # pylint: disable=import-outside-toplevel
-    graphdef, params, tok, step = loop.load_policy(config, checkpoint, step)
-    return graphdef, params, tok, f"{os.path.basename(checkpoint.rstrip('/'))} step {step}"
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from agentgym_jax.models import load_hf  # pylint: disable=import-outside-toplevel
+    graphdef, params, tok, step = sources.load_policy(config, checkpoint, step)
+    return graphdef, params, tok, checkpoint_label(checkpoint, step), step
   tok = ChatTokenizer.from_pretrained(hf_model)
   _, model = load_hf(hf_model, mesh=mesh, dtype=jnp.dtype(config.model.dtype))
   graphdef, state = nnx.split(model)
-  return graphdef, state, tok, os.path.basename(hf_model.rstrip("/"))
+  return graphdef, state, tok, os.path.basename(hf_model.rstrip("/")), 0
 
 
 def main(argv: Sequence[str]) -> None:
@@ -307,52 +334,24 @@ def main(argv: Sequence[str]) -> None:
   sharding.maybe_initialize_distributed()
   config = multihost.process_config(config)
   mesh = sharding.make_mesh(config.mesh)
-  graphdef, state, tok, label = _load_policy(
+  graphdef, state, tok, label, step = _load_policy(
       config, _FLAGS["checkpoint"].value, _FLAGS["hf_model"].value, _FLAGS["step"].value, mesh)
   label = _FLAGS["label"].value or label
-
-  def pick(name, default):
-    value = _FLAGS[name].value
-    return default if value is None else value
-
-  split = pick("split", config.eval.split)
-  num_samples = pick("num_samples", config.eval.group_size)
-  num_tasks = pick("num_tasks", config.eval.num_tasks)
-  max_turns = pick("max_turns", max(config.schedule.horizons))
-  sampling = SamplingConfig(temperature=pick("temperature", config.eval.temperature),
-                            top_p=config.rollout.top_p, top_k=config.rollout.top_k,
-                            max_reply_tokens=pick("max_reply_tokens",
-                                                  config.rollout.max_reply_tokens))
-  splits = sources.task_splits(config)
-  if split not in splits:
-    raise ValueError(f"Split {split!r} not in {config.env.name}'s splits {sorted(splits)}.")
-  task_ids = splits[split][:num_tasks] if num_tasks else splits[split]
-  env_name = table_env_name(config)
-  settings = {
-      "env": env_name, "policy": label, "num_tasks": len(task_ids), "num_samples": num_samples,
-      "max_turns": max_turns, "max_reply_tokens": sampling.max_reply_tokens,
-      "temperature": sampling.temperature, "max_context": config.rollout.max_context,
-      "pass_criterion": _FLAGS["pass_criterion"].value, "seed": config.seed}
+  settings = EvalSettings.from_config(
+      config, **{name: _FLAGS[name].value for name in (
+          "split", "num_tasks", "num_samples", "max_turns", "temperature", "max_reply_tokens",
+          "pass_criterion")}, ks=tuple(int(k) for k in _FLAGS["pass_k"].value))
   output = _FLAGS["output"].value
   writer = jax.process_index() == 0
   if writer:
     os.makedirs(output, exist_ok=True)
-  start = time.perf_counter()
-  with EnvPool(config.env.name, num_workers=config.env.num_workers,
-               env_kwargs=dict(config.env.kwargs), timeout_s=config.env.timeout_s) as pool:
-    result = evaluate_policy(
-        graphdef, state, tok, pool, task_ids, env_name=env_name, num_samples=num_samples,
-        max_turns=max_turns, sampling=sampling, max_context=config.rollout.max_context,
-        rng=jax.random.key(config.seed),
-        # The rows a training step rolls out at once are known to fit in memory.
-        chunk_tasks=max(1, config.data.batch_tasks * config.data.group_size // num_samples),
-        system_prompt=config.env.system_prompt or None, mesh=mesh,
-        replicas=config.rollout.replicas, pass_criterion=_FLAGS["pass_criterion"].value,
-        ks=[int(k) for k in _FLAGS["pass_k"].value],
-        episodes_path=os.path.join(output, f"episodes_{split}.jsonl") if writer else None)
-  settings["seconds"] = round(time.perf_counter() - start, 1)
+  with envs.make_pool(config) as pool:
+    result = evaluate(
+        config, settings, graphdef, state, tok, pool, rng=eval_key(config.seed, step),
+        mesh=mesh,
+        episodes_path=os.path.join(output, f"episodes_{settings.split}.jsonl") if writer else None)
   if writer:
-    json_path, md_path = write_report(result, output, label, settings, split)
+    json_path, md_path = write_report(result, output, label, settings.split)
     with open(md_path) as f:
       print(f.read())
     logging.info("Wrote %s and %s.", json_path, md_path)

@@ -117,18 +117,6 @@ def sharded_init(factory: Callable[[], M], mesh: Mesh,
   return nnx.merge(graphdef, state)
 
 
-def shard_state(state: Any, mesh: Mesh, rules: dict[str, Any] | None = None) -> Any:
-  """Moves an nnx.State (e.g. restored on one device) onto `mesh` per the rules."""
-  return jax.device_put(state, state_shardings(state, mesh, rules))
-
-
-def batch_sharding(mesh: Mesh, ndim: int, batch_axis: int = 0) -> NamedSharding:
-  """NamedSharding splitting axis `batch_axis` of an ndim array over (data, fsdp)."""
-  names = [None] * ndim
-  names[batch_axis] = "batch"
-  return NamedSharding(mesh, logical_to_spec(names, mesh=mesh))
-
-
 def put_global(x: Any, sharding: jax.sharding.Sharding | None) -> jax.Array:
   """The host array `x`, whole and the same on every process, as a jax.Array on `sharding`.
 

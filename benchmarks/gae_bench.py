@@ -40,8 +40,10 @@ def multi_turn_batch(batch: int, length: int, seed: int = 0):
       n = int(rng.integers(32, 200))
       mask[b, t:min(t + n, end)] = 1
       t += n + int(rng.integers(32, 300))
-  rewards = np.array(advantages.outcome_rewards(rng.uniform(size=batch).astype(np.float32),
-                                                  mask))
+  # The outcome on each row's last agent token, as build_trajectory places it.
+  rewards = np.zeros((batch, length), np.float32)
+  rewards[np.arange(batch), length - 1 - np.argmax(mask[:, ::-1], axis=1)] = rng.uniform(
+      size=batch)
   values = rng.normal(size=(batch, length)).astype(np.float32)
   return rewards, values, mask
 

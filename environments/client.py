@@ -197,11 +197,6 @@ class RemoteEnv(TextEnv):
     self._last_raw, self._last_success = reply.raw_reward, bool(info["success"])
     return reply.observation, reward, terminated, truncated, info
 
-  def observe(self) -> Any:
-    """The server's GET /observation answer for this instance."""
-    return self._request("GET", "/observation",
-                         params={self.protocol.id_key: self.instance_id})
-
   def expert_action(self) -> str:
     """The expert's move, from an agentgym-jax server (upstream servers have no expert)."""
     try:

@@ -57,7 +57,7 @@ def test_bc_loss_is_the_mean_nll_of_agent_tokens_only():
   config.mode = "bc"
   config.algo.entropy_coef = 0.0
   update_cfg = update_lib.UpdateConfig.from_config(config)
-  assert update_cfg.policy_loss == "cross_entropy" and not update_cfg.use_critic
+  assert update_cfg.algo.policy_loss == "cross_entropy" and not update_cfg.algo.use_critic
   batch = {"tokens": tokens, "valid": valid, "loss_mask": mask,
            "old_logprobs": np.zeros(tokens.shape, np.float32),
            "advantages": np.full(tokens.shape, 99.0, np.float32)}  # must play no part

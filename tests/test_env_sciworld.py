@@ -65,8 +65,6 @@ def test_index_is_agentgyms_table():
   assert games.game(659) == ("use-thermometer", 539)
   assert games.game(660) == ("measure-melting-point-known-substance", 0)
   assert games.game(4638) == ("identify-life-stages-2", 9)
-  for task_id in (0, 29, 30, 1435, 1436, 4240, 4638):
-    assert games.game_index(*games.game(task_id)) == task_id
   for bad in (-1, games.NUM_GAMES):
     with pytest.raises(ValueError, match=r"\[0, 4639\)"):
       games.game(bad)

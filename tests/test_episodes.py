@@ -266,7 +266,10 @@ def test_stop_rules_and_rewards(tok, model):
     assert turn_rewards[ends[0]] == pytest.approx(0.01)
   assert traj.success.tolist() == [True, True, False, False]
   assert traj.score.tolist() == pytest.approx([5.0, 5.0, 0.3, 0.3])
-  assert stats["stop/terminated"] == 0.5 and stats["stop/max_turns"] == 0.5
+  from agentgym_jax.train import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+  counted = metrics_lib.episode_metrics(jax.device_get(traj), stats["episodes"])
+  assert counted["episodes/stop_terminated"] == 0.5 and counted["episodes/stop_max_turns"] == 0.5
+  assert counted["episodes/stop_context"] == 0.0
   assert traj.length in (64, 96, 128, 192, 256, 384, 512)
 
 

@@ -1,5 +1,7 @@
 """Evaluation metrics (golden values) and table rendering."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -177,15 +179,28 @@ def tiny_policy():
   return graphdef, state, tok
 
 
-def test_evaluate_policy_golden_over_fake_pool(tiny_policy, tmp_path):
+def _textcraft_config(num_samples=2, rows_per_step=4):
+  from agentgym_jax.train import config as base
+  c = base.base_config()
+  c.env.name = "textcraft"  # its first four test tasks are 0, 1, 2, 3
+  c.data.batch_tasks, c.data.group_size = rows_per_step, 1
+  c.eval.group_size, c.eval.num_tasks, c.eval.temperature = num_samples, 4, 0.0
+  c.schedule.horizons = (3,)
+  c.rollout.max_reply_tokens, c.rollout.max_context = 4, 256
+  return c
+
+
+def test_evaluate_golden_over_fake_pool(tiny_policy, tmp_path):
   from agentgym_jax import evaluate
-  from agentgym_jax.rollout import SamplingConfig
   graphdef, state, tok = tiny_policy
   pool = _FakePool()
-  result = evaluate.evaluate_policy(
-      graphdef, state, tok, pool, [0, 1, 2, 3], env_name="textcraft", num_samples=2,
-      max_turns=3, sampling=SamplingConfig(temperature=0.0, max_reply_tokens=4),
-      max_context=256, chunk_tasks=2, ks=(1, 2, 4), episodes_path=str(tmp_path / "ep.jsonl"))
+  config = _textcraft_config()
+  settings = evaluate.EvalSettings.from_config(config, ks=(1, 2, 4))
+  assert (settings.split, settings.num_tasks, settings.num_samples, settings.max_turns,
+          settings.temperature, settings.max_reply_tokens) == ("test", 4, 2, 3, 0.0, 4)
+  result = evaluate.evaluate(config, settings, graphdef, state, tok, pool,
+                             rng=evaluate.eval_key(0, 0),
+                             episodes_path=str(tmp_path / "ep.jsonl"))
   assert pool.resets == 2  # two chunks of 2 tasks (one compiled shape)
   s = result.summary
   assert list(s) == ["Depth 1", "Depth 2", "Depth 3", "Overall"]
@@ -199,9 +214,8 @@ def test_evaluate_policy_golden_over_fake_pool(tiny_policy, tmp_path):
   assert result.categories == {0: "depth1", 1: "depth1", 2: "depth2", 3: "depth3"}
   assert len((tmp_path / "ep.jsonl").read_text().splitlines()) == 8
 
-  json_path, md_path = evaluate.write_report(
-      result, str(tmp_path / "out"), "tiny", {"env": "textcraft", "pass_criterion": "score>0"},
-      "test")
+  assert result.settings["env"] == "textcraft" and result.settings["num_tasks"] == 4
+  json_path, md_path = evaluate.write_report(result, str(tmp_path / "out"), "tiny", "test")
   import json
   report = json.load(open(json_path))
   assert report["metrics"]["Overall"]["pass"] == pytest.approx(0.75)
@@ -233,6 +247,33 @@ def test_load_policy_with_neither_flag_evaluates_the_config_model():
   config.tokenizer.spec = "bpe:300"
   config.tokenizer.bpe_tasks = 2
   mesh = sharding.make_mesh(config.mesh)
-  graphdef, state, tok, label = evaluate._load_policy(config, None, None, None, mesh)
-  assert label == "random" and tok.vocab_size <= 300
+  graphdef, state, tok, label, step = evaluate._load_policy(config, None, None, None, mesh)
+  assert label == "random" and step == 0 and tok.vocab_size <= 300
   assert nnx.merge(graphdef, state).cfg.vocab_size == tok.vocab_size
+
+
+def test_webarena_runlocal_table_has_the_paper_columns_of_the_served_env(tiny_policy, tmp_path):
+  """runlocal serves TextCraft behind the remote client: its table has TextCraft's Depth
+  columns (from the split file's categories), not one "remote" Overall column."""
+  import sys
+  from agentgym_jax import evaluate
+  from agentgym_jax.rollout import envs
+  from environments.server import running_server
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if root not in sys.path:  # experiment files import `experiments.agentgym_rl.common`
+    sys.path.insert(0, root)
+  from experiments.agentgym_rl import webarena
+  graphdef, state, tok = tiny_policy
+  config = webarena.get_config("runlocal")
+  with running_server("textcraft") as url:
+    config.env.kwargs.url = url
+    settings = evaluate.EvalSettings.from_config(config, num_samples=1, max_turns=1,
+                                                 max_reply_tokens=2)
+    with envs.make_pool(config) as pool:
+      result = evaluate.evaluate(config, settings, graphdef, state, tok, pool,
+                                 rng=evaluate.eval_key(0, 0))
+  want = [evaluate.paper_column("textcraft", c) for c in sorted(set(result.categories.values()))]
+  assert result.settings["env"] == "textcraft"
+  assert list(result.summary) == want + ["Overall"] and want[0].startswith("Depth ")
+  _, md_path = evaluate.write_report(result, str(tmp_path), "tiny", "test")
+  assert f"| Model | {' | '.join(want)} | Overall |" in open(md_path).read()

@@ -126,12 +126,12 @@ def _metrics(workdir) -> list[dict]:
 def _policy_at(workdir, step) -> dict:
   """The checkpointed policy of `workdir` at `step`, as host arrays by parameter path."""
   import jax  # pylint: disable=import-outside-toplevel
-  from agentgym_jax.train import loop  # pylint: disable=import-outside-toplevel
+  from agentgym_jax.train import sources  # pylint: disable=import-outside-toplevel
   path, arg = CONFIG.split(":")
   spec = importlib.util.spec_from_file_location("multihost_config", ROOT / path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  _, params, _, _ = loop.load_policy(module.get_config(arg), str(workdir), step)
+  _, params, _, _ = sources.load_policy(module.get_config(arg), str(workdir), step)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   return {jax.tree_util.keystr(path): np.asarray(x) for path, x in flat}
 

@@ -297,7 +297,9 @@ def test_webarena_field_names():
     assert env.step(env.format_action("inc"))[:4] == ("Count 1.", 0.0, False, False)
     observation, reward, terminated, truncated, info = env.step(env.format_action("inc"))
     assert (observation, reward, terminated, truncated) == ("Count 2.", 1.0, True, False)
-    assert info["success"] and env.observe() == "Count 2."
+    assert info["success"]
+    observed = requests.get(url + "/observation", params={"env_idx": env.instance_id}, timeout=10)
+    assert observed.json() == "Count 2."
     raw = requests.post(url + "/step", json={"env_idx": env.instance_id, "action": "x"},
                         timeout=10)
     assert raw.status_code == 409

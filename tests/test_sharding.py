@@ -65,7 +65,7 @@ def test_sharded_forward_equals_unsharded(reference, shape):
   model, tokens, valid, expected = reference
   mesh = sharding.make_mesh(list(zip(sharding.MESH_AXES, shape)))
   graphdef, state = nnx.split(model)
-  state = sharding.shard_state(state, mesh)
+  state = jax.device_put(state, sharding.state_shardings(state, mesh))
   tokens_s, valid_s = sharding.shard_batch((tokens, valid), mesh)
   with jax.set_mesh(mesh):  # lets the model pin activations to the batch axes
     logits = jax.jit(lambda s, t, v: nnx.merge(graphdef, s)(t, v))(state, tokens_s, valid_s)
@@ -76,7 +76,7 @@ def test_sharded_forward_equals_unsharded(reference, shape):
   cache = jax.device_put(cache, KVCache(
       k=sharding.cache_sharding(mesh, cache.k.shape),
       v=sharding.cache_sharding(mesh, cache.v.shape),
-      lengths=sharding.batch_sharding(mesh, 1)))
+      lengths=NamedSharding(mesh, sharding.logical_to_spec(("batch",), mesh=mesh))))
   step = jax.jit(lambda s, t, n, c: nnx.merge(graphdef, s).extend(t, n, c))
   num_new = jnp.sum(valid, axis=1, dtype=jnp.int32)
   with jax.set_mesh(mesh):

@@ -258,10 +258,6 @@ class Decoder(nnx.Module):
                           preferred_element_type=jnp.float32)
     return logits.reshape(hidden.shape[:-1] + logits.shape[-1:])
 
-  def hidden_states(self, tokens: jax.Array, valid: jax.Array) -> jax.Array:
-    """tokens [B, T] int32, valid [B, T] bool -> [B, T, D] (final norm applied)."""
-    return self.backbone(tokens, valid)
-
   def __call__(self, tokens: jax.Array, valid: jax.Array) -> jax.Array:
     """Full forward over right-padded rows: tokens [B, T], valid [B, T] -> [B, T, V] float32.
 

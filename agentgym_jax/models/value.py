@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from agentgym_jax.models.config import ModelConfig
-from agentgym_jax.models.decoder import Backbone, Decoder, _param
+from agentgym_jax.models.decoder import Backbone, _param
 
 
 class ValueModel(nnx.Module):
@@ -17,10 +17,11 @@ class ValueModel(nnx.Module):
   from the head alone instead of from a random projection of the features.
   """
 
-  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, backbone: Backbone | None = None):
-    """A fresh backbone from `rngs`, or the given `backbone` (used as is, not copied)."""
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    """A fresh backbone from `rngs` (`train.sources.build_critic` then copies the policy's
+    weights into it)."""
     self.cfg = cfg
-    self.backbone = Backbone(cfg, rngs=rngs) if backbone is None else backbone
+    self.backbone = Backbone(cfg, rngs=rngs)
     self.head = _param(jnp.zeros((cfg.hidden_size,), cfg.dtype), ("embed",))
     self.head_bias = _param(jnp.zeros((), jnp.float32), ())
 
@@ -30,14 +31,3 @@ class ValueModel(nnx.Module):
     values = jnp.einsum("btd,d->bt", hidden, self.head[...],
                         preferred_element_type=jnp.float32)
     return values + self.head_bias[...]
-
-  @classmethod
-  def from_policy(cls, policy: Decoder, *, rngs: nnx.Rngs) -> "ValueModel":
-    """A value model whose backbone starts as a copy of `policy`'s.
-
-    The weights are copied, not shared, so donating one model's buffers in a jitted update
-    never invalidates the other's.
-    """
-    graphdef, state = nnx.split(policy.backbone)
-    backbone = nnx.merge(graphdef, jax.tree.map(lambda x: jnp.array(x, copy=True), state))
-    return cls(policy.cfg, rngs=rngs, backbone=backbone)

@@ -324,24 +324,3 @@ def reinforce_plus_plus_baseline(rewards, mask, *, values=None, group_ids=None, 
   mean, _, _ = _group_stats(scores, group_ids)
   adv = masked_whiten((scores - mean)[:, None] * mask, mask)
   return adv, adv
-
-
-def outcome_rewards(scores: jax.Array, mask: jax.Array) -> jax.Array:
-  """Places one outcome score per row on its last agent token.
-
-  Args:
-    scores: [B] float, one outcome per episode.
-    mask: [B, L] bool|float, 1 on agent tokens.
-  Returns:
-    rewards [B, L]: scores[b] at the last position where mask[b] is 1, 0 elsewhere; an all-masked
-    row gets no reward (it has no agent token to carry it).
-  """
-  scores = jnp.asarray(scores)
-  mask = jnp.asarray(mask).astype(bool)
-  if mask.ndim != 2 or scores.shape != mask.shape[:1]:
-    raise ValueError(f"outcome_rewards: scores must be [B] and mask [B, L]; got {scores.shape} "
-                     f"and {mask.shape}")
-  positions = jnp.arange(mask.shape[1])
-  last = jnp.max(jnp.where(mask, positions, -1), axis=1)
-  dtype = jnp.result_type(scores.dtype, jnp.float32)
-  return jnp.where(positions[None, :] == last[:, None], scores[:, None], 0.0).astype(dtype)

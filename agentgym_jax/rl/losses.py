@@ -4,8 +4,9 @@ A loss is built in two steps, so that splitting a mini-batch into micro-batches 
 
 1. Token terms, each [B, L] and 0 where mask is 0: `POLICY_LOSSES[name](...)` (PPO clip, or
    the cross-entropy of behaviour cloning),
-   `value_loss`, `entropy_from_logits`, `KL_ESTIMATORS[kind]` / `kl_penalty`. The trainer combines
-   them, e.g. `pg + kl_coef * kl - entropy_coef * entropy`.
+   `value_loss`, `KL_ESTIMATORS[kind]` / `kl_penalty`; the entropy comes with the log-probs
+   (`train.update.token_logprobs_and_entropy`). The trainer combines them, e.g.
+   `pg + kl_coef * kl - entropy_coef * entropy`.
 2. `aggregate(loss_mat, mask, mode, denominator)`, with the denominator computed ONCE over the
    whole mini-batch by `aggregation_denominator(mask, mode)`. Every mode is a sum over rows of a
    per-row quantity divided by that denominator, so for micro-batches that partition the rows
@@ -157,20 +158,6 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mas
   loss2 = jnp.square(clipped - returns)
   loss = 0.5 * jnp.maximum(loss1, loss2)
   return jnp.where(mask, loss, 0.0), {"vf_clip_frac": masked_mean(loss2 > loss1, mask)}
-
-
-def entropy_from_logits(logits: jax.Array) -> jax.Array:
-  """Entropy of softmax(logits) over the last axis: [..., V] -> [...] float32.
-
-  H = logsumexp(z) - Σ_v p_v z_v, computed from log-softmax so large logits do not overflow;
-  -inf logits (tokens masked out of the vocabulary) contribute 0 with finite gradients.
-  """
-  logits = _float(logits)
-  log_p = jax.nn.log_softmax(logits, axis=-1)
-  p = jnp.exp(log_p)
-  # 0·log 0 := 0; selecting log_p first (not the product) keeps the gradient free of 0·inf.
-  safe_log_p = jnp.where(p > 0, log_p, 0.0)
-  return -jnp.sum(p * safe_log_p, axis=-1)
 
 
 @KL_ESTIMATORS.register("k1", "kl")

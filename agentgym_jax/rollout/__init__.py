@@ -1,12 +1,15 @@
-"""Rollout: jitted sampler, multi-turn episode runner, Trajectory batch.
+"""Rollout: jitted sampler, multi-turn episode runner, Trajectory batch, and `envs`, the one
+module that meets the environments (pools, task splits, expert play, all from `config.env`).
 
     traj, stats = run_episodes(graphdef, state, tok, pool, task_ids, group_size=n,
                                max_turns=..., sampling=SamplingConfig(...), max_context=...,
                                rng=key)
 """
 
+from agentgym_jax.rollout import envs
 from agentgym_jax.rollout.episodes import run_episodes
 from agentgym_jax.rollout.sampler import SamplingConfig
 from agentgym_jax.rollout.trajectory import Trajectory, build_trajectory, save_jsonl
 
-__all__ = ["SamplingConfig", "Trajectory", "build_trajectory", "run_episodes", "save_jsonl"]
+__all__ = ["SamplingConfig", "Trajectory", "build_trajectory", "envs", "run_episodes",
+           "save_jsonl"]

@@ -30,7 +30,6 @@ samples do not depend either on how many processes share it.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
 import time
@@ -254,7 +253,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
       batch.
 
   Returns:
-    The Trajectory [B, L] (B = len(task_ids) * group_size) and stats: scalar metrics, plus
+    The Trajectory [B, L] (B = len(task_ids) * group_size) and stats: rollout throughput, plus
     "turn_seconds" (wall time of each turn) and "episodes" (the host-side `Episode` records,
     with stop reasons and the conversation as text).
   """
@@ -391,18 +390,11 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     turn_seconds.append(time.perf_counter() - turn_start)
 
   traj = build_trajectory(episodes, tok.pad_id)
-  reasons = collections.Counter(e.stop_reason for e in episodes)
+  # Outcome statistics of the episodes come from `train.metrics.episode_metrics`.
   stats: dict[str, Any] = {
-      "episodes/count": num,
-      "episodes/success_rate": float(np.mean([e.success for e in episodes])),
-      "episodes/reward_mean": float(np.mean([e.reward for e in episodes])),
-      "episodes/turns_mean": float(np.mean([e.num_turns for e in episodes])),
-      "episodes/tokens_mean": float(np.mean([len(e.tokens) for e in episodes])),
       "rollout/sampled_tokens": sampled,
       "rollout/seconds": time.perf_counter() - start,
       "rollout/env_seconds": env_seconds,
-      **{f"stop/{r}": float(reasons[r]) / num for r in
-         ("terminated", "env_truncated", "error", "max_turns", "context")},
       "turn_seconds": turn_seconds,
       "episodes": episodes,
   }

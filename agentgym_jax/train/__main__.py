@@ -18,7 +18,6 @@ import os
 import signal
 import sys
 
-import environments
 import jax
 import ml_collections
 from absl import app, flags
@@ -27,9 +26,10 @@ from ml_collections import config_flags
 
 from agentgym_jax import cli
 from agentgym_jax import sharding
+from agentgym_jax.rollout import envs
 
 config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file, e.g. experiments/scripted/grpo.py:runlocal.",
+    "config", None, f"Experiment config file, e.g. {cli.EXAMPLE_CONFIG}.",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, exports.")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -57,12 +57,9 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     cli.fatal(f"--workdir={workdir} is a file; pass a directory (a new one, or a run's workdir "
               "to resume it).")
-  if config.env.name not in environments.REGISTRY:
-    cli.fatal(f"Unknown environment config.env.name={config.env.name!r}; set "
-              f"--config.env.name to one of {sorted(environments.REGISTRY)}.")
   try:
-    environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
-  except ValueError as e:  # a remote env that names no served environment, or an unknown one
+    envs.check(config)
+  except ValueError as e:
     cli.fatal(f"config.env: {e}")
 
 

@@ -1,4 +1,5 @@
-"""Checkpoints of the train state with Orbax: keep-N, asynchronous saves, exact resume.
+"""Checkpoints of the train state with Orbax (keep-N, asynchronous saves, exact resume), a
+policy restored from them, and the HF export of a finished run.
 
 A checkpoint holds two items: `state` (the TrainState as a plain dict of arrays: parameters,
 optimizer states, step, rng) and `meta` (JSON: the step, the task-order cursor and what a
@@ -16,11 +17,15 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
 
+from agentgym_jax.models import save_hf
 from agentgym_jax.train.state import TrainState
 
 # The checkpoints' folder inside a run's workdir.
 CHECKPOINT_DIR = "checkpoints"
+# The final policy as an HF checkpoint directory, inside a run's workdir.
+HF_EXPORT_DIR = "hf"
 _FIELDS = ("step", "rng", "policy", "opt_state", "ref", "critic", "critic_opt_state")
 
 
@@ -136,3 +141,54 @@ class Checkpointer:
     """Waits for pending saves and releases the manager."""
     self._manager.wait_until_finished()
     self._manager.close()
+
+
+def restore_policy(workdir: str, target: Any, step: int | None = None) -> tuple[Any, int]:
+  """The policy of a training run's checkpoint, placed as `target` says.
+
+  Args:
+    workdir: the run's workdir (holding CHECKPOINT_DIR).
+    target: tree of jax.ShapeDtypeStruct (with shardings) of the policy's parameters, e.g. from
+      `nnx.eval_shape` of the configured model.
+    step: checkpoint step; default the newest.
+  Returns:
+    (parameters like `target`, the step restored).
+  Raises:
+    FileNotFoundError: no checkpoint in `workdir` (the folder named).
+    ValueError: the saved policy has other shapes than `target` (the differing arrays named).
+  """
+  directory = os.path.join(workdir, CHECKPOINT_DIR)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"{workdir} holds no checkpoint folder {directory}; point at the "
+                            "workdir of a training run.")
+  ckpt = Checkpointer(directory, read_only=True)
+  try:
+    step = ckpt.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"{workdir} holds no checkpoint in {directory}; point at the "
+                              "workdir of a run that saved one.")
+    _check_same_shapes(ckpt.saved_shapes("policy", step), target)
+    params = ckpt.restore_params("policy", target, step)
+  finally:
+    ckpt.close()
+  logging.info("Restored the policy of %s (step %d).", directory, step)
+  return params, step
+
+
+def _check_same_shapes(saved: dict[str, tuple[int, ...]], target: Any) -> None:
+  """Raises, naming both shapes, when a checkpoint's policy is not the configured model."""
+  flat = jax.tree_util.tree_flatten_with_path(target)[0]
+  wanted = {path_name(path): tuple(leaf.shape) for path, leaf in flat}
+  if saved == wanted:
+    return
+  differ = [f"{k}: saved {saved.get(k, 'missing')} vs config {wanted.get(k, 'missing')}"
+            for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+  raise ValueError(f"the checkpoint holds a policy of another shape ({len(differ)} arrays "
+                   f"differ; {'; '.join(differ[:3])}); use that run's model.arch and tokenizer")
+
+
+def export_hf(policy_def: nnx.GraphDef, params: Any, tok: Any, directory: str) -> None:
+  """Writes the policy and its tokenizer as an HF checkpoint directory transformers loads."""
+  save_hf(nnx.merge(policy_def, params), directory)
+  tok.save_pretrained(directory)
+  logging.info("Exported the policy to %s.", directory)

@@ -22,28 +22,24 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import tqdm
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import evaluate
 from agentgym_jax import multihost
 from agentgym_jax import sharding as sharding_lib
-from agentgym_jax.models import Decoder, save_hf
-from agentgym_jax.rl import advantages as advantages_lib
-from agentgym_jax.rl import losses, schedule
-from agentgym_jax.rollout import SamplingConfig, build_trajectory, run_episodes
+from agentgym_jax.rl import algorithm, schedule
+from agentgym_jax.rollout import SamplingConfig, build_trajectory, envs, run_episodes
 from agentgym_jax.rollout.episodes import replica_meshes
 from agentgym_jax.train import checkpoints, data, metrics as metrics_lib, sources
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import trajectories
 from agentgym_jax.train import update as update_lib
-from environments.workers import EnvPool
 
-ROLLOUT_STREAM, EVAL_STREAM = 0, 2  # update_lib.UPDATE_STREAM is 1
-MODES = ("rl", "bc")
+ROLLOUT_STREAM = 0  # update_lib.UPDATE_STREAM is 1, evaluate.EVAL_STREAM 2
 # Behaviour cloning samples nothing: its steps report no rollout throughput.
 _NO_ROLLOUT_STATS = {"rollout/sampled_tokens": 0, "rollout/env_seconds": 0.0}
-HF_EXPORT_DIR = "hf"
+# In-loop evaluation reports, one folder per step, inside the workdir.
+EVAL_DIR = "eval"
 
 
 def _step_key(state: state_lib.TrainState, step: int, stream: int) -> jax.Array:
@@ -65,33 +61,6 @@ def check_batch_layout(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
     replica_meshes(mesh, config.rollout.replicas)
   except ValueError as exc:
     raise ValueError(f"rollout.replicas: {exc}") from exc
-
-
-def make_advantage_fn(config: ml_collections.ConfigDict):
-  """Jitted (rewards, mask, group_ids, old_lp, ref_lp, values) -> (advantages, returns, kl).
-
-  With `algo.kl_in_reward` the reward of every agent token loses kl_coef · KL(old || ref)
-  first; `algo.whiten` whitens the estimator's advantages over the batch's agent tokens.
-  """
-  algo = config.algo
-  name = algo.advantage
-  if name == "grpo" and not algo.norm_adv_by_std:
-    name = "drgrpo"  # GRPO without the std division is Dr.GRPO
-  estimator = advantages_lib.ESTIMATORS[name]
-
-  @jax.jit
-  def compute(rewards, mask, group_ids, old_logprobs, ref_logprobs, values):
-    kl = jnp.zeros_like(rewards)
-    if algo.kl_in_reward and algo.kl_coef > 0:
-      rewards, kl = losses.kl_in_reward(rewards, old_logprobs, ref_logprobs, mask,
-                                        beta=algo.kl_coef, kind=algo.kl_estimator)
-    adv, returns = estimator(rewards, mask, values=values, group_ids=group_ids,
-                             gamma=algo.gamma, lam=algo.lam)
-    if algo.whiten:
-      adv = advantages_lib.masked_whiten(adv, mask)
-    return adv, returns, kl
-
-  return compute
 
 
 def _masked_stats(prefix: str, x: np.ndarray, mask: np.ndarray) -> dict[str, float]:
@@ -158,10 +127,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   # This process's devices: where it rolls out its rows of each batch (the mesh, on one host).
   share = multihost.process_share(mesh)
   check_batch_layout(config, mesh)
-  if config.mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}.")
+  update_cfg = update_lib.UpdateConfig.from_config(config)  # validates the algorithm
+  spec = update_cfg.algo
   bc = config.mode == "bc"
-  update_cfg = update_lib.UpdateConfig.from_config(config)
   schedule.validate(config.schedule)
   logging.info("Mesh %s over %d devices.", dict(mesh.shape), mesh.size)
 
@@ -171,7 +139,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   # A "bpe:" tokenizer is trained and saved by process 0; the others then read it.
   tok = multihost.process_zero_first(lambda: sources.load_tokenizer(config, workdir),
                                      "tokenizer")
-  splits = sources.task_splits(config)
+  splits = envs.task_splits(config)
   stream = data.TaskStream(splits[config.data.split], config.seed)
   rows = config.data.batch_tasks * config.data.group_size
   if bc:
@@ -189,9 +157,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   #                           Model, optimizers and train state                                #
   ##############################################################################################
   policy = sources.build_policy(config, tok, mesh)
-  critic = sources.build_critic(policy, config.seed, mesh) if update_cfg.use_critic else None
-  keep_reference = update_cfg.kl_in_loss or (config.algo.kl_coef > 0 and config.algo.kl_in_reward
-                                             and not bc)
+  critic = sources.build_critic(policy, config.seed, mesh) if spec.use_critic else None
+  keep_reference = spec.keep_reference
   optimizers = state_lib.Optimizers.from_config(config, with_critic=critic is not None)
   policy_def, policy_params = state_lib.split_params(policy)
   critic_def, critic_params = (state_lib.split_params(critic) if critic is not None
@@ -215,7 +182,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   score_chunks = config.algo.minibatches * config.algo.microbatches
   score_logprobs, score_values = update_lib.make_scorers(
       policy_def, critic_def, update_cfg.temperature, score_chunks, mesh)
-  compute_advantages = None if bc else make_advantage_fn(config)
+  compute_advantages = algorithm.make_advantage_fn(spec)
 
   ##############################################################################################
   #                                Checkpoint and resumption                                   #
@@ -233,27 +200,19 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   start_step = int(jax.device_get(state.step))
   writer = (metrics_lib.MetricWriter(workdir, resume_step=start_step)
             if jax.process_index() == 0 else None)
-  pool = EnvPool(config.env.name, num_workers=config.env.num_workers,
-                 env_kwargs=dict(config.env.kwargs), timeout_s=config.env.timeout_s)
+  pool = envs.make_pool(config)
+  eval_settings = evaluate.EvalSettings.from_config(config)
 
   def meta_at(cursor: int) -> dict[str, Any]:
     return {"data_cursor": cursor, "tokenizer": config.tokenizer.spec, "env": config.env.name}
 
   def run_eval(step: int) -> dict[str, float]:
-    eval_ids = splits[config.eval.split]
-    eval_ids = eval_ids[:config.eval.num_tasks] if config.eval.num_tasks else eval_ids
-    sampling_eval = SamplingConfig(temperature=config.eval.temperature, top_p=1.0, top_k=0,
-                                   max_reply_tokens=config.rollout.max_reply_tokens)
-    # The longest horizon of the schedule: the turn budget the trained agent is meant for.
-    result = evaluate.evaluate_policy(
-        policy_def, state.policy, tok, pool, eval_ids, env_name=config.env.name,
-        num_samples=config.eval.group_size, max_turns=max(config.schedule.horizons),
-        sampling=sampling_eval, max_context=config.rollout.max_context,
-        rng=_step_key(state, step, EVAL_STREAM), system_prompt=system_prompt, mesh=mesh,
-        replicas=config.rollout.replicas,
-        # A training step's rows are known to fit; evaluate that many episodes at a time.
-        chunk_tasks=max(1, config.data.batch_tasks * config.data.group_size
-                        // config.eval.group_size))
+    # The command line's evaluation of this step's checkpoint: same settings, key and report.
+    result = evaluate.evaluate(config, eval_settings, policy_def, state.policy, tok, pool,
+                               rng=evaluate.eval_key(config.seed, step), mesh=mesh)
+    if jax.process_index() == 0:
+      evaluate.write_report(result, os.path.join(workdir, EVAL_DIR, f"step_{step}"),
+                            evaluate.checkpoint_label(workdir, step), eval_settings.split)
     overall = result.summary[evaluate.eval_metrics.OVERALL]
     return {f"eval/{k}": float(v) for k, v in overall.items()} | {
         "eval/success_rate": float(np.mean(result.success))}
@@ -301,8 +260,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       if bc:
         # Cross-entropy needs neither the sampler's log-probs nor advantages.
         zeros = jnp.zeros(tokens.shape, jnp.float32, device=rows_sharding)
-        batch = {"tokens": tokens, "valid": valid, "loss_mask": mask,
-                 "old_logprobs": zeros, "advantages": zeros}
+        batch = update_lib.build_batch(spec, tokens, valid, mask, zeros, zeros, zeros, zeros,
+                                       zeros)
         diagnostics = {}
         timer["score"] = timer["advantages"] = time.perf_counter()
       else:
@@ -320,16 +279,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
             put(host.rewards), mask, put(host.group_id), old_logprobs, ref_logprobs, values)
         jax.block_until_ready(adv)
         timer["advantages"] = time.perf_counter()
-        batch = {"tokens": tokens, "valid": valid, "loss_mask": mask,
-                 "old_logprobs": old_logprobs, "advantages": adv}
-        if update_cfg.kl_in_loss:
-          batch["ref_logprobs"] = ref_logprobs
-        if update_cfg.use_critic:
-          batch.update(returns=returns, old_values=values)
-        diagnostics = _batch_diagnostics(
-            host, adv, old_logprobs, values, returns, reward_kl,
-            use_critic=update_cfg.use_critic,
-            kl_in_reward=config.algo.kl_in_reward and keep_reference)
+        batch = update_lib.build_batch(spec, tokens, valid, mask, old_logprobs, adv,
+                                       ref_logprobs, returns, values)
+        diagnostics = _batch_diagnostics(host, adv, old_logprobs, values, returns, reward_kl,
+                                         use_critic=spec.use_critic,
+                                         kl_in_reward=spec.kl_in_reward)
 
       # ----- update -----
       state, update_metrics = update_step(state, batch)
@@ -343,7 +297,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         multihost.check_replicas_agree(share, state.policy, f"Step {done}")
       if _due(done, config.log.trajectories_every, config.total_steps):
         per_token = {} if bc else multihost.fetch(
-            {"advantages": adv} | ({"values": values} if update_cfg.use_critic else {}))
+            {"advantages": adv} | ({"values": values} if spec.use_critic else {}))
         if jax.process_index() == 0:
           trajectories.save_step(workdir, done, host, chosen if bc else stats["episodes"],
                                  tok.decode, config.log.trajectories_episodes, **per_token)
@@ -353,7 +307,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       timer["eval"] = time.perf_counter()
 
       # ----- metrics -----
-      step_metrics = metrics_lib.trajectory_metrics(host)
+      step_metrics = metrics_lib.episode_metrics(host, chosen if bc else stats["episodes"])
       if bc:  # the batch is the expert's, not the policy's: keep the two apart in the logs
         step_metrics = {k.replace("episodes/", "demos/"): v for k, v in step_metrics.items()}
       step_metrics.update({k: float(v) for k, v in update_metrics.items()})
@@ -401,7 +355,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     # Every process takes part in gathering its copy; process 0 writes it.
     params = share.local(state.policy)
     if jax.process_index() == 0:
-      export_hf(policy_def, params, tok, os.path.join(workdir, HF_EXPORT_DIR))
+      checkpoints.export_hf(policy_def, params, tok,
+                            os.path.join(workdir, checkpoints.HF_EXPORT_DIR))
   if jax.process_index() == 0 and last:
     print(summary_line(workdir, time.perf_counter() - run_start), flush=True)
   # The processes finish together: one that exits first waits for the others at shutdown
@@ -426,41 +381,3 @@ def summary_line(workdir: str, seconds: float) -> str:
   (first_step, first), (last_step, final) = evals[0], evals[-1]
   return (f"Held-out success {first:.3f} at step {first_step} -> {final:.3f} at step "
           f"{last_step} ({where}).")
-
-
-def export_hf(policy_def: nnx.GraphDef, params: Any, tok, directory: str) -> None:
-  """Writes the policy and its tokenizer as an HF checkpoint directory transformers loads."""
-  save_hf(nnx.merge(policy_def, params), directory)
-  tok.save_pretrained(directory)
-  logging.info("Exported the policy to %s.", directory)
-
-
-def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None
-                ) -> tuple[nnx.GraphDef, Any, Any, int]:
-  """The policy of a training checkpoint, for evaluation or export.
-
-  Args:
-    config: the run's config (model shape and tokenizer).
-    workdir: the run's workdir.
-    step: checkpoint step; default the newest.
-  Returns:
-    (graphdef, params on config.mesh, ChatTokenizer, step).
-  """
-  mesh = sharding_lib.make_mesh(config.mesh)
-  tok = sources.load_tokenizer(config, workdir)
-  cfg = sources.policy_config(config, tok)
-  abstract = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
-  graphdef, abstract_params = state_lib.split_params(abstract)
-  param_shardings = sharding_lib.state_shardings(
-      nnx.state(abstract, nnx.Param), mesh).to_pure_dict()
-  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        abstract_params, param_shardings)
-  ckpt = checkpoints.Checkpointer(os.path.join(workdir, checkpoints.CHECKPOINT_DIR), read_only=True)
-  try:
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"No checkpoint in {os.path.join(workdir, checkpoints.CHECKPOINT_DIR)}.")
-    params = ckpt.restore_params("policy", target, step)
-  finally:
-    ckpt.close()
-  return graphdef, params, tok, step

@@ -7,13 +7,14 @@ steps after its checkpoint (written by the run that crashed), so the file reads 
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import platform
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,17 +24,28 @@ import numpy as np
 METRICS_FILE = "metrics.jsonl"
 
 
-def trajectory_metrics(traj: Any) -> dict[str, float]:
-  """Outcome and length statistics of a rollout batch (Trajectory fields as host arrays).
+# Why an episode ended (`Episode.stop_reason`), each reported as the fraction of a batch.
+STOP_REASONS = ("terminated", "env_truncated", "error", "max_turns", "context")
 
-  episodes/: count (the episodes averaged over: all of the batch, on several hosts too),
-  success_rate, reward_mean (Σ token rewards per row), score_mean (raw), turns_mean,
-  reply_tokens_mean (sampled tokens per agent turn), length_mean (tokens per episode),
-  truncated_rate, terminated_rate; batch/length (padded L).
+
+def episode_metrics(traj: Any, episodes: Sequence[Any]) -> dict[str, float]:
+  """Outcome, length and stop-reason statistics of a batch: the one place they are computed.
+
+  Args:
+    traj: the batch's Trajectory, fields as host arrays.
+    episodes: its Episodes (rows in order), for their stop reasons.
+  Returns:
+    episodes/: count (the episodes averaged over: all of the batch, on several hosts too),
+    success_rate, reward_mean (Σ token rewards per row), score_mean (raw), turns_mean,
+    reply_tokens_mean (sampled tokens per agent turn), length_mean (tokens per episode),
+    truncated_rate, terminated_rate, stop_<reason> for each of STOP_REASONS; batch/length
+    (padded L).
   """
   loss_mask = np.asarray(traj.loss_mask)
   turns = np.asarray(traj.num_turns)
-  return {
+  reasons = collections.Counter(e.stop_reason for e in episodes)
+  stops = {f"episodes/stop_{r}": reasons[r] / max(len(episodes), 1) for r in STOP_REASONS}
+  return stops | {
       "episodes/count": float(turns.size),
       "episodes/success_rate": float(np.mean(traj.success)),
       "episodes/reward_mean": float(np.mean(np.sum(traj.rewards, axis=1))),

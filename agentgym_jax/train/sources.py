@@ -15,8 +15,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import random
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -24,50 +22,15 @@ import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
-import environments
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.models import Decoder, ModelConfig, ValueModel, gguf_io, load_gguf, load_hf
 from agentgym_jax.rollout import demonstrations as demos_lib
+from agentgym_jax.rollout import envs
 from agentgym_jax.rollout.trajectory import Episode
 from agentgym_jax.tokenization import ChatTokenizer
 from agentgym_jax.train import checkpoints
 
 TOKENIZER_DIR = "tokenizer"
-# Environment steps played by the expert per task when collecting BPE training text.
-_BPE_EXPERT_STEPS = 4
-
-
-def environment_texts(env_name: str, env_kwargs: dict, task_ids: list[int]) -> Iterator[str]:
-  """The messages of expert-played episodes of `task_ids`, with their ChatML role headers.
-
-  The expert plays a few steps of each task, so the corpus holds what the agent reads and
-  writes in rollouts: instruction, acknowledgement, observations and actions. Each message
-  comes with its role line ("user\\n...", "assistant\\n..."), because a "bpe:" tokenizer
-  renders conversations with ChatML, whose role names are ordinary text worth a merge; the
-  special tokens themselves are left out (the trainer would split them into byte pieces).
-  """
-  env = environments.make(env_name, **env_kwargs)
-  try:
-    yield f"user\n{env.instruction}"
-    yield f"assistant\n{env.acknowledgement}"
-    for task_id in task_ids:
-      observation, info = env.reset(options={"task_id": task_id})
-      yield f"user\n{info.get('instruction', env.instruction)}"
-      yield f"user\n{observation}"
-      for _ in range(_BPE_EXPERT_STEPS):
-        action = env.format_action(env.expert_action())
-        yield f"assistant\n{action}"
-        observation, _, terminated, truncated, _ = env.step(env.parse_action(action))
-        yield f"user\n{observation}"
-        if terminated or truncated:
-          break
-  finally:
-    env.close()
-
-
-def task_splits(config: ml_collections.ConfigDict) -> dict[str, list[int]]:
-  """The task-id splits of `config.env` (a remote env's: those of the environment it serves)."""
-  return environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
 
 
 def load_tokenizer(config: ml_collections.ConfigDict, workdir: str | None) -> ChatTokenizer:
@@ -89,9 +52,8 @@ def load_tokenizer(config: ml_collections.ConfigDict, workdir: str | None) -> Ch
         tok.save_pretrained(cached)
       return tok
     vocab = int(spec.split(":", 1)[1])
-    split = task_splits(config)[config.data.split]
-    texts = environment_texts(config.env.name, dict(config.env.kwargs),
-                              list(split[:config.tokenizer.bpe_tasks]))
+    split = envs.task_splits(config)[config.data.split]
+    texts = envs.expert_texts(config, list(split[:config.tokenizer.bpe_tasks]))
     tok = ChatTokenizer.train_bpe(texts, vocab_size=vocab)
     if cached:
       tok.save_pretrained(cached)
@@ -180,47 +142,44 @@ def _load_init_from(model: Decoder, workdir: str) -> None:
   Raises:
     ValueError: no checkpoint there, or one of another model shape (both shapes named).
   """
-  directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         nnx.state(model, nnx.Param).to_pure_dict())
-  if not os.path.isdir(directory):
-    raise ValueError(f"init_from={workdir!r} holds no checkpoint folder {directory}; point it "
-                     "at the workdir of a finished run.")
-  ckpt = checkpoints.Checkpointer(directory, read_only=True)
   try:
-    step = ckpt.latest_step()
-    if step is None:
-      raise ValueError(f"init_from={workdir!r} holds no checkpoint in {directory}; point it at "
-                       "the workdir of a finished run.")
-    _check_same_shapes(ckpt.saved_shapes("policy", step), target, workdir)
-    params = ckpt.restore_params("policy", target, step)
-  finally:
-    ckpt.close()
+    params, _ = checkpoints.restore_policy(workdir, target)
+  except (FileNotFoundError, ValueError) as exc:
+    raise ValueError(f"init_from={workdir!r}: {exc}.") from exc
   nnx.update(model, params)
-  logging.info("Started from the policy of %s (step %d).", directory, step)
 
 
-def _check_same_shapes(saved: dict[str, tuple[int, ...]], target, workdir: str) -> None:
-  """Raises, naming both shapes, when a checkpoint's policy is not this config's model."""
-  flat = jax.tree_util.tree_flatten_with_path(target)[0]
-  wanted = {checkpoints.path_name(path): tuple(leaf.shape) for path, leaf in flat}
-  if saved == wanted:
-    return
-  differ = [f"{k}: saved {saved.get(k, 'missing')} vs config {wanted.get(k, 'missing')}"
-            for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
-  raise ValueError(f"init_from={workdir!r} holds a policy of another shape "
-                   f"({len(differ)} arrays differ; {'; '.join(differ[:3])}); use that run's "
-                   "model.arch and tokenizer.")
+def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None
+                ) -> tuple[nnx.GraphDef, nnx.State, ChatTokenizer, int]:
+  """The policy of a training checkpoint, for evaluation or export.
+
+  Args:
+    config: the run's config (model shape and tokenizer).
+    workdir: the run's workdir.
+    step: checkpoint step; default the newest.
+  Returns:
+    (graphdef, params on config.mesh, ChatTokenizer, step).
+  """
+  mesh = sharding_lib.make_mesh(config.mesh)
+  tok = load_tokenizer(config, workdir)
+  abstract = nnx.eval_shape(lambda: Decoder(policy_config(config, tok), rngs=nnx.Rngs(0)))
+  graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+  param_shardings = sharding_lib.state_shardings(abstract_params, mesh).to_pure_dict()
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract_params.to_pure_dict(), param_shardings)
+  params, step = checkpoints.restore_policy(workdir, target, step)
+  return graphdef, params, tok, step
 
 
 def demonstrations(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> list[Episode]:
   """The expert's episodes of the first `bc.num_tasks` tasks of `data.split`, cached on disk.
 
-  Played in this process (experts read the environment's internals, which a worker pool or a
-  remote server does not expose), with the runner's limits: the schedule's longest horizon,
+  Played by `envs.expert_episodes` with the runner's limits: the schedule's longest horizon,
   `rollout.max_context` and `rollout.max_reply_tokens`.
   """
-  task_ids = list(task_splits(config)[config.data.split])
+  task_ids = list(envs.task_splits(config)[config.data.split])
   task_ids = task_ids[:config.bc.num_tasks] if config.bc.num_tasks else task_ids
   settings = {
       "env": config.env.name, "env_kwargs": config.env.kwargs.to_dict(),
@@ -236,19 +195,8 @@ def demonstrations(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> lis
       "demonstrations")
   path = demos_lib.cache_path(cache_dir, config.env.name, settings)
 
-  def build() -> list[Episode]:
-    env = environments.make(config.env.name, **config.env.kwargs)
-    try:
-      return [demos_lib.play_expert(
-          env, tok, task_id, max_turns=settings["max_turns"], max_context=settings["max_context"],
-          max_reply_tokens=settings["max_reply_tokens"],
-          rng=random.Random(f"{config.seed}-{task_id}"), noise=config.bc.noise,
-          drop_thought=config.bc.drop_thought,
-          system_prompt=config.env.system_prompt or None)[0] for task_id in task_ids]
-    finally:
-      env.close()
-
-  return demos_lib.load_or_build(path, settings, build)
+  return demos_lib.load_or_build(path, settings,
+                                 lambda: envs.expert_episodes(config, tok, task_ids))
 
 
 def build_critic(policy: Decoder, seed: int, mesh: Mesh) -> ValueModel:

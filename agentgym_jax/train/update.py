@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, TypedDict
 
 import jax
 import jax.numpy as jnp
@@ -42,63 +42,65 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import losses
+from agentgym_jax.rl.algorithm import AlgorithmSpec
 from agentgym_jax.train.state import Optimizers, Params, TrainState
-
-Batch = dict[str, jax.Array]
 
 # Stream ids folded into the step key, so rollout, update and evaluation never share numbers.
 UPDATE_STREAM = 1
 
 
+class Batch(TypedDict, total=False):
+  """The update's batch, built by `build_batch`: [R, L] arrays, rows split over the data axes.
+
+  tokens, valid, loss_mask, old_logprobs and advantages always; ref_logprobs when the KL term
+  is in the loss; returns and old_values with a critic.
+  """
+
+  tokens: jax.Array
+  valid: jax.Array
+  loss_mask: jax.Array
+  old_logprobs: jax.Array
+  advantages: jax.Array
+  ref_logprobs: jax.Array
+  returns: jax.Array
+  old_values: jax.Array
+
+
+def build_batch(spec: AlgorithmSpec, tokens: jax.Array, valid: jax.Array, loss_mask: jax.Array,
+                old_logprobs: jax.Array, advantages: jax.Array, ref_logprobs: jax.Array,
+                returns: jax.Array, values: jax.Array) -> Batch:
+  """The batch of the update step, holding exactly the fields `spec` trains with."""
+  batch = Batch(tokens=tokens, valid=valid, loss_mask=loss_mask, old_logprobs=old_logprobs,
+                advantages=advantages)
+  if spec.kl_in_loss:
+    batch["ref_logprobs"] = ref_logprobs
+  if spec.use_critic:
+    batch.update(returns=returns, old_values=values)
+  return batch
+
+
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
-  """The static (hashable) hyper-parameters of the update, read from `config.algo`."""
+  """The static (hashable) settings of the update: the algorithm and how a batch is cut."""
 
-  policy_loss: str
+  algo: AlgorithmSpec
   epochs: int
   minibatches: int
   microbatches: int
-  loss_agg_mode: str
-  clip_low: float
-  clip_high: float
-  clip_dual: float
-  kl_coef: float
-  kl_estimator: str
-  kl_in_loss: bool
-  entropy_coef: float
-  use_critic: bool
-  value_coef: float
-  value_clip: float
   temperature: float
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "UpdateConfig":
-    algo = config.algo
-    if algo.loss_agg_mode not in losses.LOSS_AGG_MODES:
-      raise ValueError(f"algo.loss_agg_mode must be one of {losses.LOSS_AGG_MODES}, got "
-                       f"{algo.loss_agg_mode!r}.")
-    if algo.kl_estimator not in losses.KL_ESTIMATORS:
-      raise ValueError(f"algo.kl_estimator {algo.kl_estimator!r} is not one of "
-                       f"{sorted(losses.KL_ESTIMATORS)}.")
-    if algo.clip_dual and algo.clip_dual <= 1.0:
-      raise ValueError(f"algo.clip_dual must be > 1 (or 0 to disable), got {algo.clip_dual}.")
+    """Raises ValueError (naming the field) on an invalid algorithm or batch split."""
     if config.rollout.temperature <= 0:
       raise ValueError("rollout.temperature must be > 0 for training: the policy's log-probs "
                        f"are those of the sampling distribution, got {config.rollout.temperature}.")
     for name in ("epochs", "minibatches", "microbatches"):
-      if algo[name] < 1:
-        raise ValueError(f"algo.{name} must be >= 1, got {algo[name]}.")
-    # Behaviour cloning keeps the update and drops what only RL needs: no critic, no KL.
-    bc = config.mode == "bc"
-    return cls(
-        policy_loss="cross_entropy" if bc else "ppo_clip", epochs=algo.epochs,
-        minibatches=algo.minibatches, microbatches=algo.microbatches,
-        loss_agg_mode=algo.loss_agg_mode, clip_low=algo.clip_low, clip_high=algo.clip_high,
-        clip_dual=algo.clip_dual, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
-        kl_in_loss=algo.kl_coef > 0 and not algo.kl_in_reward and not bc,
-        entropy_coef=algo.entropy_coef, use_critic=algo.advantage == "gae" and not bc,
-        value_coef=algo.value_coef, value_clip=algo.value_clip,
-        temperature=config.rollout.temperature)
+      if config.algo[name] < 1:
+        raise ValueError(f"algo.{name} must be >= 1, got {config.algo[name]}.")
+    return cls(algo=AlgorithmSpec.from_config(config), epochs=config.algo.epochs,
+               minibatches=config.algo.minibatches, microbatches=config.algo.microbatches,
+               temperature=config.rollout.temperature)
 
   @property
   def updates_per_step(self) -> int:
@@ -131,7 +133,7 @@ def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature
 
   The loss needs both; sharing the log-softmax saves passes over the [B, L, V] logits, which
   dominate the memory traffic of a small model's update. The model's logits are finite, so
-  p log p needs none of `losses.entropy_from_logits`' care for -inf logits.
+  p log p needs no care for -inf logits (0 · log 0).
   """
   log_p = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
   picked = jnp.take_along_axis(log_p, tokens[:, 1:, None], axis=-1)[..., 0]
@@ -186,20 +188,20 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
   logits = model(micro["tokens"], micro["valid"])
   mask = micro["loss_mask"]
   logp, entropy = token_logprobs_and_entropy(logits, micro["tokens"], cfg.temperature)
-  pg, pg_metrics = losses.POLICY_LOSSES[cfg.policy_loss](
-      logp, micro["old_logprobs"], micro["advantages"], mask, clip_ratio_low=cfg.clip_low,
-      clip_ratio_high=cfg.clip_high, clip_ratio_c=cfg.clip_dual or None)
-  token_loss = pg - cfg.entropy_coef * entropy
+  pg, pg_metrics = losses.POLICY_LOSSES[cfg.algo.policy_loss](
+      logp, micro["old_logprobs"], micro["advantages"], mask, clip_ratio_low=cfg.algo.clip_low,
+      clip_ratio_high=cfg.algo.clip_high, clip_ratio_c=cfg.algo.clip_dual or None)
+  token_loss = pg - cfg.algo.entropy_coef * entropy
   tokens = jnp.sum(mask, dtype=jnp.float32)
   aux = {k: v * tokens for k, v in pg_metrics.items()}
   aux["entropy"] = jnp.sum(jnp.where(mask, entropy, 0.0))
-  if cfg.kl_in_loss:
-    kl = losses.kl_penalty(logp, micro["ref_logprobs"], mask, cfg.kl_estimator)
-    token_loss = token_loss + cfg.kl_coef * kl
+  if cfg.algo.kl_in_loss:
+    kl = losses.kl_penalty(logp, micro["ref_logprobs"], mask, cfg.algo.kl_estimator)
+    token_loss = token_loss + cfg.algo.kl_coef * kl
     aux["kl"] = jnp.sum(kl)
-  aux["pg_loss"] = losses.aggregate(pg, mask, cfg.loss_agg_mode, denominator)
+  aux["pg_loss"] = losses.aggregate(pg, mask, cfg.algo.loss_agg_mode, denominator)
   aux["tokens"] = tokens
-  return losses.aggregate(token_loss, mask, cfg.loss_agg_mode, denominator), aux
+  return losses.aggregate(token_loss, mask, cfg.algo.loss_agg_mode, denominator), aux
 
 
 def critic_values(params: Params, graphdef: nnx.GraphDef, tokens: jax.Array, valid: jax.Array
@@ -215,13 +217,13 @@ def critic_loss(params: Params, micro: Batch, denominator: jax.Array, *,
   mask = micro["loss_mask"]
   values = critic_values(params, graphdef, micro["tokens"], micro["valid"])
   token_loss, metrics = losses.value_loss(values, micro["old_values"], micro["returns"], mask,
-                                          cliprange_value=cfg.value_clip)
-  loss = losses.aggregate(token_loss, mask, cfg.loss_agg_mode, denominator)
+                                          cliprange_value=cfg.algo.value_clip)
+  loss = losses.aggregate(token_loss, mask, cfg.algo.loss_agg_mode, denominator)
   tokens = jnp.sum(mask, dtype=jnp.float32)
   aux = {k: v * tokens for k, v in metrics.items()}
   aux["value_loss"] = loss
   aux["tokens"] = tokens
-  return cfg.value_coef * loss, aux
+  return cfg.algo.value_coef * loss, aux
 
 
 def accumulate_gradients(loss_fn: Callable, params: Params, minibatch: Batch,
@@ -298,14 +300,14 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
   rows_spec = NamedSharding(mesh, P(sharding_lib.BATCH_AXES))
   policy_fn = functools.partial(policy_loss, graphdef=policy_def, cfg=cfg)
   critic_fn = (functools.partial(critic_loss, graphdef=critic_def, cfg=cfg)
-               if cfg.use_critic else None)
+               if cfg.algo.use_critic else None)
 
   def minibatch_update(batch: Batch, carry, xs):
     index, rows = xs
     policy, opt_state, critic, critic_opt_state = carry
     minibatch = _constrain_rows(jax.tree.map(lambda x: jnp.take(x, rows, axis=0), batch),
                                 mesh, row_axis=0)
-    denominator = losses.aggregation_denominator(minibatch["loss_mask"], cfg.loss_agg_mode)
+    denominator = losses.aggregation_denominator(minibatch["loss_mask"], cfg.algo.loss_agg_mode)
     loss, grads, aux = accumulate_gradients(policy_fn, policy, minibatch, denominator,
                                             cfg.microbatches, mesh)
     policy, opt_state, grad_norm, skipped = _apply_if_finite(

@@ -43,18 +43,6 @@ def game(task_id: int) -> tuple[str, int]:
   raise AssertionError("unreachable: the first row starts at index 0")
 
 
-def game_index(task_name: str, variation: int) -> int:
-  """The AgentGym task id of (task_name, variation); inverse of `game`."""
-  for row in task_table():
-    if row["task_name"] == task_name:
-      if not 0 <= variation < row["num_variations"]:
-        raise ValueError(f"{task_name} has variations 0..{row['num_variations'] - 1}, "
-                         f"got {variation}.")
-      return row["first_index"] + variation
-  raise ValueError(f"Unknown SciWorld task {task_name!r}; known: "
-                   f"{[row['task_name'] for row in task_table()]}.")
-
-
 def build_index(sw) -> list[dict[str, Any]]:
   """The index rows, read from a live `scienceworld.ScienceWorldEnv` `sw` (needs the JVM)."""
   rows, first = [], 0

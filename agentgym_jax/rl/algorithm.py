@@ -1,0 +1,127 @@
+"""What `config.algo` means, resolved once: the algorithm spec, and the advantages it assembles.
+
+Every other module reads the algorithm from an `AlgorithmSpec` instead of from the config, so
+each derived choice (which estimator, whether a critic and a reference model are kept, where
+the KL penalty goes, which policy loss) is made, and validated, in `AlgorithmSpec.from_config`
+alone:
+
+  spec = AlgorithmSpec.from_config(config)
+  advantages_fn = make_advantage_fn(spec)   # jitted; None for behaviour cloning
+
+`ALGORITHMS` names the algorithms the paper's experiments compare (their `algo=` config
+argument); each is an advantage estimator of `advantages.ESTIMATORS`, set as
+`config.algo.advantage`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from agentgym_jax.rl import advantages as advantages_lib
+from agentgym_jax.rl import losses
+
+# The experiments' algorithm names (their `algo=` config argument) -> advantage estimator.
+ALGORITHMS = {"grpo": "grpo", "ppo": "gae", "reinforce_pp": "reinforce_plus_plus", "rloo": "rloo"}
+# config.mode: "rl" trains on the policy's own rollouts, "bc" clones the expert's.
+MODES = ("rl", "bc")
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+  """The algorithm of a run, every field final (hashable: it is static in the jitted update).
+
+  estimator: key of `advantages.ESTIMATORS` ("" in behaviour cloning, which has none).
+  use_critic: a value model is trained (GAE's values).
+  keep_reference: the initial policy is kept as the KL reference.
+  kl_in_loss, kl_in_reward: where kl_coef · KL(π || π_ref) goes (at most one; neither when
+    kl_coef is 0 or in behaviour cloning).
+  policy_loss: key of `losses.POLICY_LOSSES` ("ppo_clip", or "cross_entropy" for cloning).
+  loss_agg_mode: one of `losses.LOSS_AGG_MODES`.
+  The rest are `config.algo`'s coefficients, as documented in train/config.py.
+  """
+
+  estimator: str
+  use_critic: bool
+  keep_reference: bool
+  kl_in_loss: bool
+  kl_in_reward: bool
+  kl_coef: float
+  kl_estimator: str
+  whiten: bool
+  gamma: float
+  lam: float
+  policy_loss: str
+  loss_agg_mode: str
+  clip_low: float
+  clip_high: float
+  clip_dual: float
+  entropy_coef: float
+  value_coef: float
+  value_clip: float
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> "AlgorithmSpec":
+    """The spec of `config.mode` and `config.algo`.
+
+    Raises:
+      ValueError: an unknown mode, estimator, KL estimator or aggregation mode, or a dual clip
+        constant in (0, 1] (each message names the field and the allowed values).
+    """
+    algo = config.algo
+    if config.mode not in MODES:
+      raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}.")
+    if algo.advantage not in advantages_lib.ESTIMATORS:
+      raise ValueError(f"algo.advantage {algo.advantage!r} is not one of "
+                       f"{sorted(advantages_lib.ESTIMATORS)}.")
+    if algo.loss_agg_mode not in losses.LOSS_AGG_MODES:
+      raise ValueError(f"algo.loss_agg_mode must be one of {losses.LOSS_AGG_MODES}, got "
+                       f"{algo.loss_agg_mode!r}.")
+    if algo.kl_estimator not in losses.KL_ESTIMATORS:
+      raise ValueError(f"algo.kl_estimator {algo.kl_estimator!r} is not one of "
+                       f"{sorted(losses.KL_ESTIMATORS)}.")
+    if algo.clip_dual and algo.clip_dual <= 1.0:
+      raise ValueError(f"algo.clip_dual must be > 1 (or 0 to disable), got {algo.clip_dual}.")
+    rl = config.mode == "rl"
+    estimator = algo.advantage
+    if estimator == "grpo" and not algo.norm_adv_by_std:
+      estimator = "drgrpo"  # GRPO without the std division is Dr.GRPO
+    kl = rl and algo.kl_coef > 0
+    return cls(
+        estimator=estimator if rl else "", use_critic=rl and estimator == "gae",
+        keep_reference=kl, kl_in_loss=kl and not algo.kl_in_reward,
+        kl_in_reward=kl and algo.kl_in_reward, kl_coef=algo.kl_coef,
+        kl_estimator=algo.kl_estimator, whiten=algo.whiten, gamma=algo.gamma, lam=algo.lam,
+        policy_loss="ppo_clip" if rl else "cross_entropy", loss_agg_mode=algo.loss_agg_mode,
+        clip_low=algo.clip_low, clip_high=algo.clip_high, clip_dual=algo.clip_dual,
+        entropy_coef=algo.entropy_coef, value_coef=algo.value_coef, value_clip=algo.value_clip)
+
+
+def make_advantage_fn(spec: AlgorithmSpec) -> Callable | None:
+  """Jitted (rewards, mask, group_ids, old_lp, ref_lp, values) -> (advantages, returns, kl).
+
+  All [B, L] but group_ids [B]. With `kl_in_reward` the reward of every agent token first
+  loses kl_coef · KL(old || ref) (kl: that penalty, else zeros); `whiten` whitens the
+  estimator's advantages over the batch's agent tokens. None in behaviour cloning.
+  """
+  if not spec.estimator:
+    return None
+  estimator = advantages_lib.ESTIMATORS[spec.estimator]
+
+  @jax.jit
+  def compute(rewards, mask, group_ids, old_logprobs, ref_logprobs, values):
+    kl = jnp.zeros_like(rewards)
+    if spec.kl_in_reward:
+      rewards, kl = losses.kl_in_reward(rewards, old_logprobs, ref_logprobs, mask,
+                                        beta=spec.kl_coef, kind=spec.kl_estimator)
+    adv, returns = estimator(rewards, mask, values=values, group_ids=group_ids,
+                             gamma=spec.gamma, lam=spec.lam)
+    if spec.whiten:
+      adv = advantages_lib.masked_whiten(adv, mask)
+    return adv, returns, kl
+
+  return compute

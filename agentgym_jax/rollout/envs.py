@@ -1,0 +1,102 @@
+"""The one door from the library to the environments: everything built from `config.env`.
+
+DESIGN.md's rule: `agentgym_jax` never imports a concrete environment and `environments` never
+imports JAX; they meet here. The trainer, behaviour cloning and evaluation get from this module
+the worker pool (local simulators or a remote AgentGym server, per `config.env`), the task
+splits, the name of the environment whose paper table applies, and the expert's play (episodes
+for behaviour cloning, texts for a BPE tokenizer); nothing else in the library imports
+`environments`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator, Sequence
+
+import environments
+import ml_collections
+from environments.workers import EnvPool
+
+from agentgym_jax.rollout import demonstrations as demos_lib
+from agentgym_jax.rollout.trajectory import Episode
+from agentgym_jax.tokenization import ChatTokenizer
+
+# Environment steps played by the expert per task when collecting BPE training text.
+_BPE_EXPERT_STEPS = 4
+
+
+def served_name(config: ml_collections.ConfigDict) -> str:
+  """The environment the episodes run in: `config.env.name`, or for "remote" the one its
+  server serves (`env.kwargs.env_name`), which picks the task split and the paper's table."""
+  if config.env.name == "remote":
+    return str(config.env.kwargs.get("env_name", "remote"))
+  return config.env.name
+
+
+def check(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError, in one line, when `config.env` names no environment we can run."""
+  if config.env.name not in environments.REGISTRY:
+    raise ValueError(f"Unknown environment config.env.name={config.env.name!r}; set "
+                     f"--config.env.name to one of {sorted(environments.REGISTRY)}.")
+  task_splits(config)  # a remote env that names no served environment, or an unknown one
+
+
+def task_splits(config: ml_collections.ConfigDict) -> dict[str, list[int]]:
+  """The task-id splits of `config.env` (a remote env's: those of the environment it serves)."""
+  return environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
+
+
+def make_pool(config: ml_collections.ConfigDict) -> EnvPool:
+  """The worker pool the episode runner steps: `env.num_workers` processes, each with its own
+  environment (or remote client), a step that takes over `env.timeout_s` failing its episode."""
+  return EnvPool(config.env.name, num_workers=config.env.num_workers,
+                 env_kwargs=dict(config.env.kwargs), timeout_s=config.env.timeout_s)
+
+
+def expert_texts(config: ml_collections.ConfigDict, task_ids: Sequence[int]) -> Iterator[str]:
+  """The messages of expert-played episodes of `task_ids`, with their ChatML role headers.
+
+  The expert plays a few steps of each task, so the corpus holds what the agent reads and
+  writes in rollouts: instruction, acknowledgement, observations and actions. Each message
+  comes with its role line ("user\\n...", "assistant\\n..."), because a "bpe:" tokenizer
+  renders conversations with ChatML, whose role names are ordinary text worth a merge; the
+  special tokens themselves are left out (the trainer would split them into byte pieces).
+  """
+  env = environments.make(config.env.name, **config.env.kwargs)
+  try:
+    yield f"user\n{env.instruction}"
+    yield f"assistant\n{env.acknowledgement}"
+    for task_id in task_ids:
+      observation, info = env.reset(options={"task_id": task_id})
+      yield f"user\n{info.get('instruction', env.instruction)}"
+      yield f"user\n{observation}"
+      for _ in range(_BPE_EXPERT_STEPS):
+        action = env.format_action(env.expert_action())
+        yield f"assistant\n{action}"
+        observation, _, terminated, truncated, _ = env.step(env.parse_action(action))
+        yield f"user\n{observation}"
+        if terminated or truncated:
+          break
+  finally:
+    env.close()
+
+
+def expert_episodes(config: ml_collections.ConfigDict, tok: ChatTokenizer,
+                    task_ids: Sequence[int]) -> list[Episode]:
+  """The expert's episode of each of `task_ids`, laid out as the episode runner lays out
+  samples (`demonstrations.play_expert`), with the runner's limits and `config.bc`'s noise.
+
+  Played in this process: experts read the environment's internals, which a worker pool or a
+  remote server does not expose.
+  """
+  env = environments.make(config.env.name, **config.env.kwargs)
+  try:
+    return [demos_lib.play_expert(
+        env, tok, task_id, max_turns=max(config.schedule.horizons),
+        max_context=config.rollout.max_context,
+        max_reply_tokens=config.rollout.max_reply_tokens,
+        rng=random.Random(f"{config.seed}-{task_id}"), noise=config.bc.noise,
+        drop_thought=config.bc.drop_thought,
+        system_prompt=config.env.system_prompt or None)[0] for task_id in task_ids]
+  finally:
+    env.close()
