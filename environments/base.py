@@ -167,6 +167,14 @@ _ACTION_LINE = re.compile(r"Action:\s*(.*?)(?=\n|$)", re.DOTALL)
 _NOT_ACTION_CHAR = re.compile(r"[^A-Za-z0-9, ]+")
 
 
+def react_response(action: str, thought: str | None) -> str:
+  """A reply in AgentGym's ReAct format, "Thought:\n...\n\nAction:\n<action>" (the BabyAI,
+  TextCraft and SciWorld clients parse it); without a thought, the "Action:" part alone."""
+  if thought is None:
+    return f"Action:\n{action}"
+  return f"Thought:\n{thought}\n\nAction:\n{action}"
+
+
 def parse_single_action(response: str | bytes) -> str:
   """The action in a ReAct response, as AgentGym's TextCraft and BabyAI clients extract it.
 

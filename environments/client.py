@@ -30,7 +30,8 @@ from urllib3.util import retry as retry_lib
 
 import environments
 from environments import protocol as protocol_lib
-from environments.base import MULTIPLE_ACTIONS, MULTIPLE_ACTIONS_OBSERVATION, TextEnv
+from environments.base import (MULTIPLE_ACTIONS, MULTIPLE_ACTIONS_OBSERVATION, TextEnv,
+                               react_response)
 
 _WEBARENA_INSTRUCTION = (
     "You are an autonomous agent operating a web browser to complete a web-based task. Each "
@@ -227,9 +228,7 @@ class RemoteEnv(TextEnv):
 
   @staticmethod
   def format_action(action: str, thought: bool = True) -> str:
-    if not thought:
-      return f"Action:\n{action}"
-    return f"Thought:\nI act.\n\nAction:\n{action}"
+    return react_response(action, "I act." if thought else None)
 
 
 def _webarena_action(response: str) -> str:

@@ -273,23 +273,16 @@ async def _json_body(request: fastapi.Request, required: bool = True) -> dict[st
   return body
 
 
-def _int_field(body: dict[str, Any], key: str, endpoint: str) -> int:
+def _field(body: dict[str, Any], key: str, endpoint: str, kind: type) -> Any:
+  """body[key], which must be a `kind` (int or str; JSON's true and false are not integers)."""
+  name = {int: "an integer", str: "a string"}[kind]
   if key not in body:
-    raise RequestError(400, f"{endpoint} needs the field {key!r} (an integer); got fields "
+    raise RequestError(400, f"{endpoint} needs the field {key!r} ({name}); got fields "
                             f"{sorted(body)}.")
   value = body[key]
-  if isinstance(value, bool) or not isinstance(value, int):
-    raise RequestError(400, f"{endpoint}: field {key!r} must be an integer, got {value!r}.")
+  if isinstance(value, bool) or not isinstance(value, kind):
+    raise RequestError(400, f"{endpoint}: field {key!r} must be {name}, got {value!r}.")
   return value
-
-
-def _str_field(body: dict[str, Any], key: str, endpoint: str) -> str:
-  if key not in body:
-    raise RequestError(400, f"{endpoint} needs the field {key!r} (a string); got fields "
-                            f"{sorted(body)}.")
-  if not isinstance(body[key], str):
-    raise RequestError(400, f"{endpoint}: field {key!r} must be a string, got {body[key]!r}.")
-  return body[key]
 
 
 def _query_id(request: fastapi.Request, key: str) -> int:
@@ -344,7 +337,7 @@ def build_app(service: EnvService) -> fastapi.FastAPI:
     reward_mode = None  # the service's default: upstream's rewards and episode ends if strict
     if "reward_mode" in body:
       # Our client's extension: the instance computes rewards as the client's local env would.
-      reward_mode = _str_field(body, "reward_mode", "/create")
+      reward_mode = _field(body, "reward_mode", "/create", str)
       if reward_mode not in REWARD_MODES:
         raise RequestError(400, f"/create: reward_mode must be one of {REWARD_MODES}, got "
                                 f"{reward_mode!r}.")
@@ -355,21 +348,21 @@ def build_app(service: EnvService) -> fastapi.FastAPI:
       own_id = True
     elif proto.name == "searchqa" and "id" in body:
       # Upstream SearchQA preloads the item named in the /create body.
-      task_id = _int_field(body, "id", "/create")
+      task_id = _field(body, "id", "/create", int)
     return await call(service.create, task_id, own_id, reward_mode)
 
   @app.post("/reset")
   async def reset(request: fastapi.Request):
     body = await _json_body(request)
-    instance_id = _int_field(body, key, "/reset")
-    task_id = _int_field(body, proto.reset_key, "/reset")
+    instance_id = _field(body, key, "/reset", int)
+    task_id = _field(body, proto.reset_key, "/reset", int)
     return await call(service.reset, instance_id, task_id)
 
   @app.post("/step")
   async def step(request: fastapi.Request):
     body = await _json_body(request)
-    instance_id = _int_field(body, key, "/step")
-    action = _str_field(body, "action", "/step")
+    instance_id = _field(body, key, "/step", int)
+    action = _field(body, "action", "/step", str)
     return await call(service.step, instance_id, action)
 
   @app.get("/observation")
@@ -384,7 +377,7 @@ def build_app(service: EnvService) -> fastapi.FastAPI:
   @app.post("/close")
   async def close(request: fastapi.Request):
     body = await _json_body(request)
-    return await call(service.close, _int_field(body, key, "/close"))
+    return await call(service.close, _field(body, key, "/close", int))
 
   return app
 

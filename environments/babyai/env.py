@@ -47,7 +47,7 @@ import numpy as np
 from environments.babyai import expert as expert_lib
 from environments.babyai import text
 from environments.base import (MULTIPLE_ACTIONS, MULTIPLE_ACTIONS_OBSERVATION, TextEnv,
-                               parse_single_action)
+                               parse_single_action, react_response)
 
 # AgentGym's `all_levels`, in order (upstream keys 1..40 -> indices 0..39).
 LEVELS = (
@@ -170,16 +170,12 @@ class BabyAIEnv(TextEnv):
       reward = min(max(self._last_reward, 0.0), 1.0) if succeeded else 0.0
     return f"{state}\n{self.view.actions_text()}", reward, terminated, False, self._info()
 
-  @staticmethod
-  def parse_action(response: str) -> str:
-    """AgentGym's BabyAI client: the single "Action:" line, reduced to [A-Za-z0-9, ]."""
-    return parse_single_action(response)
+  # AgentGym's BabyAI client: the single "Action:" line, reduced to [A-Za-z0-9, ].
+  parse_action = staticmethod(parse_single_action)
 
   @staticmethod
   def format_action(action: str, thought: bool = True) -> str:
-    if not thought:
-      return f"Action:\n{action}"
-    return f"Thought:\n{_EXPERT_THOUGHT}\n\nAction:\n{action}"
+    return react_response(action, _EXPERT_THOUGHT if thought else None)
 
   def expert_action(self) -> str:
     """minigrid's BabyAIBot, followed through the longest macro that keeps to its plan."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from environments.base import TextEnv
+from environments.base import TextEnv, react_response
 from environments.sciworld import games
 
 INSTRUCTION = (
@@ -128,9 +128,7 @@ class SciWorldEnv(TextEnv):
 
   @staticmethod
   def format_action(action: str, thought: bool = True) -> str:
-    if not thought:
-      return f"Action:\n{action}"
-    return f"Thought:\n{_EXPERT_THOUGHT}\n\nAction:\n{action}"
+    return react_response(action, _EXPERT_THOUGHT if thought else None)
 
   def expert_action(self) -> str:
     """The next action of ScienceWorld's gold sequence for this game.

@@ -42,7 +42,7 @@ import re
 from typing import Any
 
 from environments.base import (MULTIPLE_ACTIONS, MULTIPLE_ACTIONS_OBSERVATION, TextEnv,
-                               parse_single_action)
+                               parse_single_action, react_response)
 from environments.textcraft import crafting
 from environments.textcraft.crafting import ItemTag, ItemTagWithCount, Recipe, item_id_to_str
 
@@ -132,16 +132,13 @@ class TextCraftEnv(TextEnv):
     reward = 1.0 if success else 0.0
     return observation, reward, success, False, self._info(success)
 
-  @staticmethod
-  def parse_action(response: str) -> str:
-    """AgentGym's TextCraft client: the single "Action:" line, reduced to [A-Za-z0-9, ]."""
-    return parse_single_action(response)
+  # AgentGym's TextCraft client, as BabyAI's: the single "Action:" line, reduced to
+  # [A-Za-z0-9, ].
+  parse_action = staticmethod(parse_single_action)
 
   @staticmethod
   def format_action(action: str, thought: bool = True) -> str:
-    if not thought:
-      return f"Action:\n{action}"
-    return f"Thought:\n{_EXPERT_THOUGHT}\n\nAction:\n{action}"
+    return react_response(action, _EXPERT_THOUGHT if thought else None)
 
   def expert_action(self) -> str:
     """The next step of a plan that gets base items and crafts along the easiest recipes."""
