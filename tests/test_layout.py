@@ -1,0 +1,33 @@
+"""The rules of the house that a grep can check (DESIGN.md): the library meets the
+environments in one module, evaluation and the trainer do not import each other, and no
+library module is an import-time cycle."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+LIBRARY = ROOT / "agentgym_jax"
+
+
+def _imports(path: pathlib.Path) -> list[str]:
+  return re.findall(r"^\s*(?:import|from)\s+([\w.]+)", path.read_text(), re.MULTILINE)
+
+
+def test_one_library_module_imports_environments():
+  importers = sorted(str(p.relative_to(ROOT)) for p in LIBRARY.rglob("*.py")
+                     if any(m == "environments" or m.startswith("environments.")
+                            for m in _imports(p)))
+  assert importers == ["agentgym_jax/rollout/envs.py"]
+
+
+def test_environments_never_import_jax():
+  for path in (ROOT / "environments").rglob("*.py"):
+    assert not any(m.split(".")[0] in ("jax", "flax", "agentgym_jax") for m in _imports(path)), path
+
+
+def test_evaluation_does_not_import_the_trainer():
+  """The trainer imports evaluation for its in-loop evaluation; the reverse would be a cycle
+  (policy loading and HF export live in train/sources.py and train/checkpoints.py)."""
+  text = (LIBRARY / "evaluate.py").read_text()
+  assert "agentgym_jax.train.loop" not in _imports(LIBRARY / "evaluate.py")
+  assert not re.search(r"from agentgym_jax\.train import [^\n]*\bloop\b", text)
