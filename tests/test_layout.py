@@ -31,3 +31,22 @@ def test_evaluation_does_not_import_the_trainer():
   text = (LIBRARY / "evaluate.py").read_text()
   assert "agentgym_jax.train.loop" not in _imports(LIBRARY / "evaluate.py")
   assert not re.search(r"from agentgym_jax\.train import [^\n]*\bloop\b", text)
+
+
+def test_the_door_checks_config_env_and_names_the_served_env():
+  import pytest
+  from agentgym_jax.rollout import envs
+  from agentgym_jax.train import config as base
+  c = base.base_config()
+  c.env.name = "babyai"
+  envs.check(c)
+  assert envs.served_name(c) == "babyai" and len(envs.task_splits(c)["test"]) == 90
+  c.env.name = "remote"
+  with pytest.raises(ValueError, match="needs env_name"):
+    envs.check(c)
+  c.env.kwargs = {"env_name": "webarena"}
+  envs.check(c)
+  assert envs.served_name(c) == "webarena" and "categories" not in envs.task_splits(c)
+  c.env.name = "minecraft"
+  with pytest.raises(ValueError, match="Unknown environment config.env.name='minecraft'"):
+    envs.check(c)

@@ -8,6 +8,10 @@ mesh, tokenizer and environments, model and train state, update step, checkpoint
 Randomness: every step derives its keys from (seed, step) with fold_in, one stream each for
 the rollout, the update's minibatch order and evaluation, so nothing depends on how many
 steps ran in this process.
+
+What the loop reads from elsewhere, each from one place: the algorithm from
+`rl.algorithm.AlgorithmSpec`, the environments from `rollout.envs`, the held-out evaluation
+from `evaluate.evaluate`, the episode statistics from `metrics.episode_metrics`.
 """
 
 from __future__ import annotations
@@ -158,7 +162,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   ##############################################################################################
   policy = sources.build_policy(config, tok, mesh)
   critic = sources.build_critic(policy, config.seed, mesh) if spec.use_critic else None
-  keep_reference = spec.keep_reference
   optimizers = state_lib.Optimizers.from_config(config, with_critic=critic is not None)
   policy_def, policy_params = state_lib.split_params(policy)
   critic_def, critic_params = (state_lib.split_params(critic) if critic is not None
@@ -166,10 +169,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   shardings = state_lib.train_state_shardings(
       policy_shardings=state_lib.param_shardings(policy, mesh),
       critic_shardings=state_lib.param_shardings(critic, mesh) if critic is not None else None,
-      keep_reference=keep_reference, optimizers=optimizers, policy=policy_params,
+      keep_reference=spec.keep_reference, optimizers=optimizers, policy=policy_params,
       critic=critic_params, mesh=mesh)
   state = state_lib.init_train_state(
-      policy=policy_params, critic=critic_params, keep_reference=keep_reference,
+      policy=policy_params, critic=critic_params, keep_reference=spec.keep_reference,
       optimizers=optimizers, seed=config.seed, shardings=shardings)
   del policy, critic, policy_params, critic_params  # the state owns the parameters now
   logging.info("Policy: %s", jax.tree.reduce(lambda n, x: n + x.size, state.policy, 0))
