@@ -222,6 +222,12 @@ def kl_in_reward(rewards: jax.Array, log_prob: jax.Array, ref_log_prob: jax.Arra
   return _float(rewards) - beta * kl, kl
 
 
+def _check_mode(mode: str) -> None:
+  """The guard of both aggregation functions (configs are checked by `algorithm.AlgorithmSpec`)."""
+  if mode not in LOSS_AGG_MODES:
+    raise ValueError(f"unknown loss aggregation mode {mode!r}; use one of {LOSS_AGG_MODES}")
+
+
 def aggregation_denominator(mask: jax.Array, mode: str, *, norm: float | None = None
                             ) -> jax.Array:
   """The global denominator of `aggregate`, from the mask of the WHOLE mini-batch.
@@ -242,8 +248,7 @@ def aggregation_denominator(mask: jax.Array, mode: str, *, norm: float | None = 
   Returns:
     scalar float32.
   """
-  if mode not in LOSS_AGG_MODES:
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; use one of {LOSS_AGG_MODES}")
+  _check_mode(mode)
   mask = jnp.asarray(mask).astype(bool)
   if mask.ndim != 2:
     raise ValueError(f"aggregation_denominator: mask must be [B, L], got shape {mask.shape}")
@@ -280,8 +285,7 @@ def aggregate(loss_mat: jax.Array, mask: jax.Array, mode: str,
   Returns:
     scalar float32.
   """
-  if mode not in LOSS_AGG_MODES:
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; use one of {LOSS_AGG_MODES}")
+  _check_mode(mode)
   if jnp.shape(loss_mat) != jnp.shape(mask) or jnp.ndim(mask) != 2:
     raise ValueError(f"aggregate: loss_mat {jnp.shape(loss_mat)} and mask {jnp.shape(mask)} must "
                      "share one [B, L] shape")
