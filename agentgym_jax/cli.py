@@ -1,4 +1,5 @@
-"""Pieces the command lines share: reading the --config flag, one-line fatal errors.
+"""Pieces the command lines share: reading the --config flag, checking its environment,
+one-line fatal errors, INFO logging to a file instead of the terminal.
 
 A mistake on the command line (a wrong path, a name that does not exist) ends the program
 with one line that says what was wrong and what to do, and with nothing written: a
@@ -7,12 +8,15 @@ traceback would bury that line, and a half-made workdir would be taken for a run
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from typing import NoReturn
 
+import environments
 import ml_collections
 from absl import flags
+from absl import logging as absl_logging
 
 EXAMPLE_CONFIG = "experiments/keypad/learn.py:runlocal"
 
@@ -33,3 +37,27 @@ def config_from_flag(name: str = "config") -> ml_collections.ConfigDict:
     fatal(f"--{name}: no config file {path!r} (relative to {os.getcwd()}); pass an experiment "
           f"file, e.g. --{name}={EXAMPLE_CONFIG}")
   return flags.FLAGS[name].value
+
+
+def check_env(config: ml_collections.ConfigDict) -> None:
+  """Exits with one line when `config.env` names no environment this install has."""
+  if config.env.name not in environments.REGISTRY:
+    fatal(f"Unknown environment config.env.name={config.env.name!r}; set --config.env.name to "
+          f"one of {sorted(environments.REGISTRY)}.")
+  try:
+    environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
+  except ValueError as e:  # a remote env that names no served environment, or an unknown one
+    fatal(f"config.env: {e}")
+
+
+def log_to(path: str | None) -> None:
+  """Sends INFO logging to the file `path` (None: nowhere) and keeps only warnings and errors
+  on the terminal, unless --alsologtostderr: absl's and orbax's INFO lines would bury the
+  progress bar and the results."""
+  logging.getLogger().setLevel(logging.INFO)
+  if path is not None:
+    handler = logging.FileHandler(path)
+    handler.setFormatter(absl_logging.PythonFormatter())
+    logging.getLogger().addHandler(handler)
+  if not flags.FLAGS.alsologtostderr:
+    absl_logging.get_absl_handler().setLevel(logging.WARNING)

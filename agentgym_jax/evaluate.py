@@ -39,6 +39,7 @@ import jax
 from ml_collections import config_flags
 import numpy as np
 from flax import nnx
+import tqdm
 
 from agentgym_jax import cli
 from agentgym_jax import eval_metrics
@@ -136,6 +137,7 @@ def evaluate_policy(
     pass_criterion: str = "score>0",
     ks: Sequence[int] = (1,),
     episodes_path: str | None = None,
+    progress_bar: bool = False,
 ) -> EvalResult:
   """Runs every task `num_samples` times and summarises the outcomes per paper column.
 
@@ -159,6 +161,7 @@ def evaluate_policy(
     pass_criterion: "score>0" (upstream) or "success".
     ks: Pass@k estimates to add (k > n are skipped).
     episodes_path: write every episode as JSONL here (from one process only).
+    progress_bar: show a tqdm bar over this process's episodes as they end.
   """
   task_ids = [int(t) for t in task_ids]
   if not task_ids:
@@ -170,19 +173,24 @@ def evaluate_policy(
   # devices (keys and group ids of the whole chunk, so the samples are those of one process).
   share = multihost.process_share(mesh)
   local_state = share.local(state)
-  mine = []  # (chunk, row, Episode) run by this process
+  plan = []  # (chunk, its task ids, this process's rows of it or None for all)
   for c, start in enumerate(range(0, len(task_ids), chunk)):
     chunk_ids = task_ids[start:start + chunk]
     rows = multihost.split_rows(len(chunk_ids) * num_samples)
-    if rows is not None and not rows.size:
-      continue
-    _, stats = run_episodes(
-        graphdef, local_state, tok, recorder, chunk_ids, group_size=num_samples,
-        max_turns=max_turns, sampling=sampling, max_context=max_context,
-        rng=jax.random.fold_in(key, c), system_prompt=system_prompt, mesh=share.mesh,
-        replicas=replicas, rows=rows)
-    ran = range(len(stats["episodes"])) if rows is None else rows.tolist()
-    mine += [(c, row, e) for row, e in zip(ran, stats["episodes"])]
+    if rows is None or rows.size:
+      plan.append((c, chunk_ids, rows))
+  total = sum(len(ids) * num_samples if rows is None else rows.size for _, ids, rows in plan)
+  mine = []  # (chunk, row, Episode) run by this process
+  with tqdm.tqdm(total=total, desc="evaluate", unit="episode", disable=not progress_bar,
+                 dynamic_ncols=True) as progress:
+    for c, chunk_ids, rows in plan:
+      _, stats = run_episodes(
+          graphdef, local_state, tok, recorder, chunk_ids, group_size=num_samples,
+          max_turns=max_turns, sampling=sampling, max_context=max_context,
+          rng=jax.random.fold_in(key, c), system_prompt=system_prompt, mesh=share.mesh,
+          replicas=replicas, rows=rows, on_ended=progress.update)
+      ran = range(len(stats["episodes"])) if rows is None else rows.tolist()
+      mine += [(c, row, e) for row, e in zip(ran, stats["episodes"])]
   gathered = sorted(itertools.chain.from_iterable(multihost.allgather_objects(mine)),
                     key=lambda item: item[:2])
   categories = {}
@@ -255,12 +263,24 @@ def write_report(result: EvalResult, output_dir: str, label: str, settings: dict
 
 # ----- command line ------------------------------------------------------------------------------
 
+LOG_FILE = "evaluate.log"  # INFO logging, in --output (cli.log_to)
+
 
 def table_env_name(config) -> str:
   """The environment whose paper table applies: a remote env's served environment."""
   if config.env.name == "remote":
     return str(config.env.kwargs.get("env_name", "remote"))
   return config.env.name
+
+
+def result_line(result: EvalResult, settings: dict[str, Any], split: str, output: str) -> str:
+  """The one line that ends an evaluation: the overall numbers and where the files are."""
+  overall = result.summary[eval_metrics.OVERALL]
+  n = overall["n"]
+  return (f"{settings['policy']} on {settings['env']} {split}: Pass@{n} {100 * overall['pass']:.2f}, "
+          f"Avg@{n} {100 * overall['avg']:.2f}, success {result.success.mean():.3f} per "
+          f"episode ({settings['num_tasks']} tasks x {n}, {settings['seconds']:.0f} s); "
+          f"report and episodes in {output}")
 
 
 def check_policy_flags(checkpoint: str | None, hf_model: str | None) -> None:
@@ -303,8 +323,14 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {list(argv[1:])}")
   config = cli.config_from_flag()
+  cli.check_env(config)
   check_policy_flags(_FLAGS["checkpoint"].value, _FLAGS["hf_model"].value)
   sharding.maybe_initialize_distributed()
+  output = _FLAGS["output"].value
+  writer = jax.process_index() == 0
+  if writer:
+    os.makedirs(output, exist_ok=True)
+  cli.log_to(os.path.join(output, LOG_FILE) if writer else None)
   config = multihost.process_config(config)
   mesh = sharding.make_mesh(config.mesh)
   graphdef, state, tok, label = _load_policy(
@@ -333,10 +359,6 @@ def main(argv: Sequence[str]) -> None:
       "max_turns": max_turns, "max_reply_tokens": sampling.max_reply_tokens,
       "temperature": sampling.temperature, "max_context": config.rollout.max_context,
       "pass_criterion": _FLAGS["pass_criterion"].value, "seed": config.seed}
-  output = _FLAGS["output"].value
-  writer = jax.process_index() == 0
-  if writer:
-    os.makedirs(output, exist_ok=True)
   start = time.perf_counter()
   with EnvPool(config.env.name, num_workers=config.env.num_workers,
                env_kwargs=dict(config.env.kwargs), timeout_s=config.env.timeout_s) as pool:
@@ -349,13 +371,15 @@ def main(argv: Sequence[str]) -> None:
         system_prompt=config.env.system_prompt or None, mesh=mesh,
         replicas=config.rollout.replicas, pass_criterion=_FLAGS["pass_criterion"].value,
         ks=[int(k) for k in _FLAGS["pass_k"].value],
-        episodes_path=os.path.join(output, f"episodes_{split}.jsonl") if writer else None)
+        episodes_path=os.path.join(output, f"episodes_{split}.jsonl") if writer else None,
+        progress_bar=writer)
   settings["seconds"] = round(time.perf_counter() - start, 1)
   if writer:
     json_path, md_path = write_report(result, output, label, settings, split)
     with open(md_path) as f:
       print(f.read())
     logging.info("Wrote %s and %s.", json_path, md_path)
+    print(result_line(result, settings, split, output), flush=True)
   # The others wait for process 0's files: at shutdown a process waits only as long as the
   # heartbeat timeout (sharding.maybe_initialize_distributed).
   multihost.barrier("report written")

@@ -8,7 +8,6 @@ import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 from absl import flags

@@ -18,11 +18,9 @@ import os
 import signal
 import sys
 
-import environments
 import jax
 import ml_collections
 from absl import app, flags
-from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from agentgym_jax import cli
@@ -57,25 +55,15 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     cli.fatal(f"--workdir={workdir} is a file; pass a directory (a new one, or a run's workdir "
               "to resume it).")
-  if config.env.name not in environments.REGISTRY:
-    cli.fatal(f"Unknown environment config.env.name={config.env.name!r}; set "
-              f"--config.env.name to one of {sorted(environments.REGISTRY)}.")
-  try:
-    environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
-  except ValueError as e:  # a remote env that names no served environment, or an unknown one
-    cli.fatal(f"config.env: {e}")
+  cli.check_env(config)
 
 
 def log_to_workdir(workdir: str) -> str:
-  """Sends INFO logging to a file in `workdir` (one per process) and keeps only warnings and
-  errors on the terminal, unless --alsologtostderr; returns the file's path."""
+  """Sends INFO logging to a file in `workdir` (one per process), not the terminal; returns
+  the file's path."""
   index = jax.process_index()
   path = os.path.join(workdir, LOG_FILE if index == 0 else f"train.process{index}.log")
-  handler = logging.FileHandler(path)
-  handler.setFormatter(absl_logging.PythonFormatter())
-  logging.getLogger().addHandler(handler)
-  if not flags.FLAGS.alsologtostderr:
-    absl_logging.get_absl_handler().setLevel(logging.WARNING)
+  cli.log_to(path)
   return path
 
 
@@ -84,7 +72,6 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config, workdir = cli.config_from_flag(), _WORKDIR.value
   check_run(config, workdir)
-  logging.getLogger().setLevel(logging.INFO)
   # A preempted job gets SIGTERM: turn it into an exception so the trainer's cleanup runs and
   # waits for a checkpoint that is still being written instead of dying mid-save.
   signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
