@@ -26,6 +26,24 @@ def fatal(message: str) -> NoReturn:
   sys.exit(f"FATAL: {' '.join(str(message).split())}")
 
 
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (app.run's flags_parser), with one line for a bad flag.
+
+  ml_collections raises a misspelt `--config.x=v` override as AttributeError/KeyError (with a
+  "did you mean") from deep inside flag parsing; the traceback would bury the one line that
+  matters.
+  """
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:
+    bad = [a for a in argv[1:] if a.startswith("--config.")]
+    # The message arrives as the repr of a KeyError's: quoted, with escaped quotes and newlines.
+    message = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'")
+    fatal(f"bad config override among {bad}: no such field: {message}")
+  except flags.Error as e:
+    fatal(f"{e} (--helpshort lists the flags)")
+
+
 def config_from_flag(name: str = "config") -> ml_collections.ConfigDict:
   """The config of the config_flags flag `--name`; exits with one line if its file is missing.
 

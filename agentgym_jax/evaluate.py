@@ -420,4 +420,4 @@ _FLAGS: dict[str, Any] = {}
 if __name__ == "__main__":
   _FLAGS.update(_define_flags())
   flags.mark_flags_as_required(["config", "output"])
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

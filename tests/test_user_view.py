@@ -219,8 +219,12 @@ def test_command_line_mistakes_give_one_line_and_write_nothing(tmp_path):
                   "lern.py", "experiments/keypad/learn.py")
   _one_line_error(run_cli(*train, f"--config={CONFIG}", "--config.env.name=keypd"),
                   "'keypd'", "keypad")
+  _one_line_error(run_cli(*train, f"--config={CONFIG}", "--config.optim.lrr=1e-3"),
+                  "--config.optim.lrr=1e-3", "'lrr'", 'Did you mean "lr"')
   assert not workdir.exists()  # no empty workdir, no config.json
   eval_out = tmp_path / "eval"
+  _one_line_error(run_cli("agentgym_jax.evaluate", f"--config={CONFIG}",
+                          "--config.optim.lrr=1e-3", f"--output={eval_out}"), "'lrr'")
   _one_line_error(run_cli("agentgym_jax.evaluate", "--config=experiments/keypad/lern.py",
                           f"--output={eval_out}"), "lern.py")
   _one_line_error(run_cli("agentgym_jax.evaluate", f"--config={CONFIG}",

@@ -1,6 +1,6 @@
 """Training: train state, jitted update, trainer loop, checkpoints, metrics.
 
-  python -m agentgym_jax.train --config=experiments/scripted/grpo.py:runlocal --workdir=/tmp/w
+  python -m agentgym_jax.train --config=experiments/keypad/learn.py:runlocal --workdir=/tmp/w
 
   from agentgym_jax.train import loop
   loop.train(config, workdir)                         # resumes if workdir has a checkpoint

@@ -27,27 +27,11 @@ from agentgym_jax import cli
 from agentgym_jax import sharding
 
 config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file, e.g. experiments/scripted/grpo.py:runlocal.",
+    "config", None, f"Experiment config file[:arg], e.g. {cli.EXAMPLE_CONFIG}.",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, exports.")
 flags.mark_flags_as_required(["config", "workdir"])
 LOG_FILE = "train.log"
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  """absl parsing, with a one-line error for an override of a field that does not exist.
-
-  ml_collections raises AttributeError/KeyError (with a "did you mean") from deep inside flag
-  parsing; the traceback would bury the one line that matters.
-  """
-  try:
-    return flags.FLAGS(argv)
-  except (AttributeError, KeyError) as e:
-    bad = [a for a in argv[1:] if a.startswith("--config.")]
-    message = str(e).strip("'\"").replace("\\n", " ")
-    sys.exit(f"FATAL: bad config override among {bad}: no such field: {message}")
-  except flags.Error as e:
-    sys.exit(f"FATAL: {e}\nPass --helpshort for the flags.")
 
 
 def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -95,4 +79,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)
