@@ -277,9 +277,10 @@ def result_line(result: EvalResult, settings: dict[str, Any], split: str, output
   """The one line that ends an evaluation: the overall numbers and where the files are."""
   overall = result.summary[eval_metrics.OVERALL]
   n = overall["n"]
-  return (f"{settings['policy']} on {settings['env']} {split}: Pass@{n} {100 * overall['pass']:.2f}, "
-          f"Avg@{n} {100 * overall['avg']:.2f}, success {result.success.mean():.3f} per "
-          f"episode ({settings['num_tasks']} tasks x {n}, {settings['seconds']:.0f} s); "
+  return (f"{settings['policy']} on {settings['env']} {split}: "
+          f"Pass@{n} {100 * overall['pass']:.2f}, Avg@{n} {100 * overall['avg']:.2f}, "
+          f"success {result.success.mean():.3f} per episode "
+          f"({settings['num_tasks']} tasks x {n}, {settings['seconds']:.0f} s); "
           f"report and episodes in {output}")
 
 
