@@ -15,8 +15,9 @@ On several hosts (the same command on each, as for training) every process runs 
 the episodes and process 0 writes the report of all of them.
 
 Writes into --output: `eval_<split>.json` (settings, metrics, per-task results),
-`eval_<split>.md` (a table shaped like the paper's) and `episodes_<split>.jsonl` (every
-episode's tokens and text).
+`eval_<split>.md` (a table shaped like the paper's), `episodes_<split>.jsonl` (every
+episode's tokens and text) and `evaluate.log` (the INFO log). The terminal shows a progress
+bar over the episodes, the table and one line of the overall numbers.
 
 Categories come from the environment's reset `info["category"]` (TextCraft's crafting depth,
 SciWorld's task, BabyAI's level, SearchQA's question source) and are grouped into the paper's
