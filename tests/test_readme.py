@@ -29,13 +29,18 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 KINDS = ("install", "train", "viewer", "test")
 
 
-def quickstart_commands() -> list[list[str]]:
-  """The argv of every command in the bash blocks of README.md's "## Quickstart" section."""
+def quickstart_section() -> str:
+  """README.md's "## Quickstart" section, up to the next "## " heading."""
   text = (REPO / "README.md").read_text()
   section = re.search(r"^## Quickstart\n(.*?)(?=^## )", text, re.S | re.M)
   assert section, "README.md has no '## Quickstart' section (up to the next '## ' heading)"
+  return section.group(1)
+
+
+def quickstart_commands() -> list[list[str]]:
+  """The argv of every command in the bash blocks of the quickstart."""
   commands = []
-  for block in re.findall(r"^```bash\n(.*?)^```", section.group(1), re.S | re.M):
+  for block in re.findall(r"^```bash\n(.*?)^```", quickstart_section(), re.S | re.M):
     for line in block.replace("\\\n", " ").splitlines():
       argv = shlex.split(line, comments=True)
       if argv:
@@ -61,7 +66,10 @@ def test_quickstart_has_install_the_main_job_its_viewer_and_the_tests():
   commands = quickstart_commands()
   kinds = [kind_of(argv) for argv in commands]
   assert None not in kinds, f"no kind for {commands[kinds.index(None)]}: add it to kind_of"
+  # Every kind is there, each first appearing in the order of KINDS.
   assert [k for i, k in enumerate(kinds) if k not in kinds[:i]] == list(KINDS), kinds
+  # The shrinking that test_quickstart_commands_run applies is the one the README offers.
+  assert "append `,runlocal` to both `--config`" in " ".join(quickstart_section().split())
   # The main job: behaviour cloning, then RL from that run, then the viewer on the RL run.
   bc, rl = [argv for argv in commands if kind_of(argv) == "train"]
   assert ":stage=bc" in _flag(bc, "config")
