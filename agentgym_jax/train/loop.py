@@ -39,7 +39,7 @@ from agentgym_jax.train import trajectories
 from agentgym_jax.train import update as update_lib
 from environments.workers import EnvPool
 
-ROLLOUT_STREAM, EVAL_STREAM = 0, 2  # update_lib.UPDATE_STREAM is 1
+ROLLOUT_STREAM = 0  # update_lib.UPDATE_STREAM is 1
 MODES = ("rl", "bc")
 # Behaviour cloning samples nothing: its steps report no rollout throughput.
 _NO_ROLLOUT_STATS = {"rollout/sampled_tokens": 0, "rollout/env_seconds": 0.0}
@@ -249,7 +249,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         policy_def, state.policy, tok, pool, eval_ids, env_name=config.env.name,
         num_samples=config.eval.group_size, max_turns=max(config.schedule.horizons),
         sampling=sampling_eval, max_context=config.rollout.max_context,
-        rng=_step_key(state, step, EVAL_STREAM), system_prompt=system_prompt, mesh=mesh,
+        # One key for every evaluation of the run (the CLI's, `key(seed)`): checkpoints are
+        # compared on the same sampling noise, so a change between them is the policy's.
+        rng=jax.random.key(config.seed), system_prompt=system_prompt, mesh=mesh,
         replicas=config.rollout.replicas,
         # A training step's rows are known to fit; evaluate that many episodes at a time.
         chunk_tasks=max(1, config.data.batch_tasks * config.data.group_size
