@@ -15,12 +15,14 @@ On several hosts (the same command on each, as for training) every process runs 
 the episodes and process 0 writes the report of all of them.
 
 Writes into --output: `eval_<split>.json` (settings, metrics, per-task results),
-`eval_<split>.md` (a table shaped like the paper's) and `episodes_<split>.jsonl` (every
-episode's tokens and text).
+`eval_<split>.md` (a table shaped like the paper's), `episodes_<split>.jsonl` (every
+episode's tokens and text) and `evaluate.log` (the INFO log). The terminal shows a progress
+bar over the episodes, the table and one line of the overall numbers.
 
 The trainer's in-loop evaluation is this module's `evaluate` too, and writes the same report
-into WORKDIR/eval/step_<N>/. Both draw their samples from `eval_key(seed, step)`, so this
-command on a run's checkpoint of step N prints the table the trainer wrote at step N.
+into WORKDIR/eval/step_<N>/. Both draw their samples from `eval_key(seed)`, one key for every
+evaluation of the run, so this command on a run's checkpoint of step N prints the table the
+trainer wrote at step N.
 
 Categories come from the environment's reset `info["category"]` (TextCraft's crafting depth,
 SciWorld's task, BabyAI's level, SearchQA's question source; a remote env's from its split
@@ -46,6 +48,7 @@ import ml_collections
 from ml_collections import config_flags
 import numpy as np
 from flax import nnx
+import tqdm
 
 from agentgym_jax import cli
 from agentgym_jax import eval_metrics
@@ -121,10 +124,14 @@ class EvalSettings:
                                **{k: v for k, v in overrides.items() if v is not None})
 
 
-def eval_key(seed: int, step: int) -> jax.Array:
-  """The sampling key of the evaluation of the policy after `step` training steps: the same in
-  the trainer and on the command line, so both draw the same episodes."""
-  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), EVAL_STREAM)
+def eval_key(seed: int) -> jax.Array:
+  """The sampling key of a run's evaluations, the trainer's in-loop ones and the command
+  line's alike.
+
+  One key for every evaluation of a run, so checkpoints are compared on the same sampling
+  noise and a change between them is the policy's.
+  """
+  return jax.random.fold_in(jax.random.key(seed), EVAL_STREAM)
 
 
 @dataclasses.dataclass
@@ -146,8 +153,8 @@ class EvalResult:
 
 def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef: nnx.GraphDef,
              state: nnx.State, tok: ChatTokenizer, pool: Any, *, rng: jax.Array,
-             mesh: jax.sharding.Mesh | None = None, episodes_path: str | None = None
-             ) -> EvalResult:
+             mesh: jax.sharding.Mesh | None = None, episodes_path: str | None = None,
+             progress_bar: bool = False) -> EvalResult:
   """Runs every task of the settings' split n times and summarises per paper column.
 
   The trainer's in-loop evaluation and `python -m agentgym_jax.evaluate` both call this, so
@@ -167,6 +174,8 @@ def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef
       process must call this (with the same arguments): each runs an even share of the
       episodes on its own devices and every process gets the result of all of them.
     episodes_path: write every episode as JSONL here (from one process only).
+    progress_bar: show a tqdm bar over this process's episodes as they end (the command
+      line's; the trainer's console has its own bar over steps).
   Raises:
     ValueError: an unknown split, or no task to evaluate.
   """
@@ -189,19 +198,25 @@ def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef
   # devices (keys and group ids of the whole chunk, so the samples are those of one process).
   share = multihost.process_share(mesh)
   local_state = share.local(state)
-  mine = []  # (chunk, row, Episode) run by this process
+  plan = []  # (chunk, its task ids, this process's rows of it or None for all)
   for c, start in enumerate(range(0, len(task_ids), chunk)):
     chunk_ids = task_ids[start:start + chunk]
     rows = multihost.split_rows(len(chunk_ids) * n)
-    if rows is not None and not rows.size:
-      continue
-    _, stats = run_episodes(
-        graphdef, local_state, tok, pool, chunk_ids, group_size=n,
-        max_turns=settings.max_turns, sampling=sampling, max_context=config.rollout.max_context,
-        rng=jax.random.fold_in(rng, c), system_prompt=config.env.system_prompt or None,
-        mesh=share.mesh, replicas=config.rollout.replicas, rows=rows)
-    ran = range(len(stats["episodes"])) if rows is None else rows.tolist()
-    mine += [(c, row, e) for row, e in zip(ran, stats["episodes"])]
+    if rows is None or rows.size:
+      plan.append((c, chunk_ids, rows))
+  total = sum(len(ids) * n if rows is None else rows.size for _, ids, rows in plan)
+  mine = []  # (chunk, row, Episode) run by this process
+  with tqdm.tqdm(total=total, desc="evaluate", unit="episode", disable=not progress_bar,
+                 dynamic_ncols=True) as progress:
+    for c, chunk_ids, rows in plan:
+      _, stats = run_episodes(
+          graphdef, local_state, tok, pool, chunk_ids, group_size=n,
+          max_turns=settings.max_turns, sampling=sampling,
+          max_context=config.rollout.max_context, rng=jax.random.fold_in(rng, c),
+          system_prompt=config.env.system_prompt or None, mesh=share.mesh,
+          replicas=config.rollout.replicas, rows=rows, on_ended=progress.update)
+      ran = range(len(stats["episodes"])) if rows is None else rows.tolist()
+      mine += [(c, row, e) for row, e in zip(ran, stats["episodes"])]
   gathered = sorted(itertools.chain.from_iterable(multihost.allgather_objects(mine)),
                     key=lambda item: item[:2])
   episodes = [e for _, _, e in gathered]
@@ -287,6 +302,20 @@ def write_report(result: EvalResult, output_dir: str, label: str, split: str
 
 # ----- command line ------------------------------------------------------------------------------
 
+LOG_FILE = "evaluate.log"  # INFO logging, in --output (cli.log_to)
+
+
+def result_line(result: EvalResult, label: str, split: str, output: str) -> str:
+  """The one line that ends an evaluation: the overall numbers and where the files are."""
+  overall = result.summary[eval_metrics.OVERALL]
+  n = overall["n"]
+  settings = result.settings
+  return (f"{label} on {settings['env']} {split}: "
+          f"Pass@{n} {100 * overall['pass']:.2f}, Avg@{n} {100 * overall['avg']:.2f}, "
+          f"success {result.success.mean():.3f} per episode "
+          f"({settings['num_tasks']} tasks x {n}, {result.seconds:.0f} s); "
+          f"report and episodes in {output}")
+
 
 def check_policy_flags(checkpoint: str | None, hf_model: str | None) -> None:
   """Exits with one line, before anything is read or written, when the policy flags cannot
@@ -308,21 +337,20 @@ def checkpoint_label(workdir: str, step: int) -> str:
 
 
 def _load_policy(config, checkpoint: str | None, hf_model: str | None, step: int | None, mesh):
-  """(graphdef, state, tokenizer, label, training steps behind it) from a training workdir, an
-  HF directory or, given neither, the config's own model source (`check_policy_flags`
-  passed)."""
+  """(graphdef, state, tokenizer, label) from a training workdir, an HF directory or, given
+  neither, the config's own model source (`check_policy_flags` passed)."""
   if not checkpoint and not hf_model:
     tok = sources.load_tokenizer(config, None)
     graphdef, state = nnx.split(sources.build_policy(config, tok, mesh))
     label = os.path.basename(config.model.path.rstrip("/")) or config.model.source
-    return graphdef, state, tok, label, 0
+    return graphdef, state, tok, label
   if checkpoint:
     graphdef, params, tok, step = sources.load_policy(config, checkpoint, step)
-    return graphdef, params, tok, checkpoint_label(checkpoint, step), step
+    return graphdef, params, tok, checkpoint_label(checkpoint, step)
   tok = ChatTokenizer.from_pretrained(hf_model)
   _, model = load_hf(hf_model, mesh=mesh, dtype=jnp.dtype(config.model.dtype))
   graphdef, state = nnx.split(model)
-  return graphdef, state, tok, os.path.basename(hf_model.rstrip("/")), 0
+  return graphdef, state, tok, os.path.basename(hf_model.rstrip("/"))
 
 
 def main(argv: Sequence[str]) -> None:
@@ -330,31 +358,34 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {list(argv[1:])}")
   config = cli.config_from_flag()
+  cli.check_env(config)
   check_policy_flags(_FLAGS["checkpoint"].value, _FLAGS["hf_model"].value)
   sharding.maybe_initialize_distributed()
+  output = _FLAGS["output"].value
+  writer = jax.process_index() == 0
+  if writer:
+    os.makedirs(output, exist_ok=True)
+  cli.log_to(os.path.join(output, LOG_FILE) if writer else None)
   config = multihost.process_config(config)
   mesh = sharding.make_mesh(config.mesh)
-  graphdef, state, tok, label, step = _load_policy(
+  graphdef, state, tok, label = _load_policy(
       config, _FLAGS["checkpoint"].value, _FLAGS["hf_model"].value, _FLAGS["step"].value, mesh)
   label = _FLAGS["label"].value or label
   settings = EvalSettings.from_config(
       config, **{name: _FLAGS[name].value for name in (
           "split", "num_tasks", "num_samples", "max_turns", "temperature", "max_reply_tokens",
           "pass_criterion")}, ks=tuple(int(k) for k in _FLAGS["pass_k"].value))
-  output = _FLAGS["output"].value
-  writer = jax.process_index() == 0
-  if writer:
-    os.makedirs(output, exist_ok=True)
   with envs.make_pool(config) as pool:
     result = evaluate(
-        config, settings, graphdef, state, tok, pool, rng=eval_key(config.seed, step),
-        mesh=mesh,
-        episodes_path=os.path.join(output, f"episodes_{settings.split}.jsonl") if writer else None)
+        config, settings, graphdef, state, tok, pool, rng=eval_key(config.seed), mesh=mesh,
+        episodes_path=os.path.join(output, f"episodes_{settings.split}.jsonl") if writer else None,
+        progress_bar=writer)
   if writer:
     json_path, md_path = write_report(result, output, label, settings.split)
     with open(md_path) as f:
       print(f.read())
     logging.info("Wrote %s and %s.", json_path, md_path)
+    print(result_line(result, label, settings.split, output), flush=True)
   # The others wait for process 0's files: at shutdown a process waits only as long as the
   # heartbeat timeout (sharding.maybe_initialize_distributed).
   multihost.barrier("report written")
@@ -395,4 +426,4 @@ _FLAGS: dict[str, Any] = {}
 if __name__ == "__main__":
   _FLAGS.update(_define_flags())
   flags.mark_flags_as_required(["config", "output"])
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)

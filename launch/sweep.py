@@ -1,13 +1,14 @@
 """Expands an experiment's `get_sweep(arg)` into one command line per point; prints or runs them.
 
   python launch/sweep.py --config=experiments/agentgym_rl/searchqa.py:schedule=scaling_inter \
-      --sweep=horizons --workdir=gs://BUCKET/agentgym/searchqa_horizons [--launcher=tpu] \
+      --sweep=horizon --workdir=gs://BUCKET/agentgym/searchqa_horizon [--launcher=tpu] \
       [--run] [-- EXTRA FLAGS]
 
 Each point becomes `python -m agentgym_jax.train --config=FILE:ARG --workdir=WORKDIR/NAME
---config.k=v ...`, where NAME names the point (`horizons=5-8-10`) and "arg.k" keys of the point
-edit the config argument ARG instead of adding a flag. With --launcher=tpu the lines are
-`launch/tpu.sh run --session NAME -- ...` (one slice per point: set TPU_NAME per line).
+--config.k=v ...`, where NAME names the point (`kind=scaling_inter,horizons=5-8-10`) and
+"arg.k" keys of the point edit the config argument ARG instead of adding a flag. With
+--launcher=tpu the lines are `launch/tpu.sh run --session NAME -- ...` (one slice per point:
+set TPU_NAME per line).
 --run executes local lines one after another and stops at the first failure.
 """
 

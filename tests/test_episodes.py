@@ -405,6 +405,42 @@ def test_saved_training_step_has_per_token_advantages_and_values(tok, model, tmp
       np.testing.assert_allclose(seg["values"], values[row, cols], atol=1e-4)
 
 
+def test_saved_step_is_written_whole_or_not_at_all(tok, model, tmp_path, monkeypatch):
+  """A write that fails part-way (a crash, a full disk) leaves the step's earlier file whole
+  and no temporary file behind."""
+  graphdef, state = nnx.split(model)
+  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 2], max_turns=3,
+                             sampling=SAMPLING, max_context=1024, rng=0)
+  path = trajectories.save_step(str(tmp_path), 4, traj, stats["episodes"], tok.decode, 2)
+  whole = open(path).read()
+  dumps = json.dumps
+  calls = []
+
+  def fail_on_second_record(record):
+    calls.append(record)
+    if len(calls) == 2:
+      raise OSError("No space left on device")
+    return dumps(record)
+
+  monkeypatch.setattr(trajectories.json, "dumps", fail_on_second_record)
+  with pytest.raises(OSError, match="No space"):
+    trajectories.save_step(str(tmp_path), 4, traj, stats["episodes"], tok.decode, 2)
+  assert len(calls) == 2 and os.listdir(tmp_path / "trajectories") == ["step_4.jsonl"]
+  assert open(path).read() == whole
+
+
+def test_on_ended_counts_every_episode_once_as_it_ends(tok, model):
+  graphdef, state = nnx.split(model)
+  told = []
+  _, stats = run_episodes(graphdef, state, tok, FakePool(), [0, 1, 2, 3], group_size=2,
+                          max_turns=3, sampling=SAMPLING, max_context=1024, rng=0,
+                          on_ended=told.append)
+  ended_at = collections.Counter(e.num_turns for e in stats["episodes"])
+  # After the openings (none ends there), then after turns 1-3: task k lasts k % 4 + 1 turns,
+  # and task 3 is cut at the turn limit of 3.
+  assert told == [0, ended_at[1], ended_at[2], ended_at[3]] == [0, 2, 2, 4]
+
+
 def test_bad_arguments(tok, model):
   graphdef, state = nnx.split(model)
   with pytest.raises(ValueError, match="at least one task"):

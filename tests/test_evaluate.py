@@ -199,7 +199,7 @@ def test_evaluate_golden_over_fake_pool(tiny_policy, tmp_path):
   assert (settings.split, settings.num_tasks, settings.num_samples, settings.max_turns,
           settings.temperature, settings.max_reply_tokens) == ("test", 4, 2, 3, 0.0, 4)
   result = evaluate.evaluate(config, settings, graphdef, state, tok, pool,
-                             rng=evaluate.eval_key(0, 0),
+                             rng=evaluate.eval_key(0),
                              episodes_path=str(tmp_path / "ep.jsonl"))
   assert pool.resets == 2  # two chunks of 2 tasks (one compiled shape)
   s = result.summary
@@ -247,8 +247,8 @@ def test_load_policy_with_neither_flag_evaluates_the_config_model():
   config.tokenizer.spec = "bpe:300"
   config.tokenizer.bpe_tasks = 2
   mesh = sharding.make_mesh(config.mesh)
-  graphdef, state, tok, label, step = evaluate._load_policy(config, None, None, None, mesh)
-  assert label == "random" and step == 0 and tok.vocab_size <= 300
+  graphdef, state, tok, label = evaluate._load_policy(config, None, None, None, mesh)
+  assert label == "random" and tok.vocab_size <= 300
   assert nnx.merge(graphdef, state).cfg.vocab_size == tok.vocab_size
 
 
@@ -271,7 +271,7 @@ def test_webarena_runlocal_table_has_the_paper_columns_of_the_served_env(tiny_po
                                                  max_reply_tokens=2)
     with envs.make_pool(config) as pool:
       result = evaluate.evaluate(config, settings, graphdef, state, tok, pool,
-                                 rng=evaluate.eval_key(0, 0))
+                                 rng=evaluate.eval_key(0))
   want = [evaluate.paper_column("textcraft", c) for c in sorted(set(result.categories.values()))]
   assert result.settings["env"] == "textcraft"
   assert list(result.summary) == want + ["Overall"] and want[0].startswith("Depth ")

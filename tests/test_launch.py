@@ -3,11 +3,11 @@
 import importlib.util
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 from absl import flags
@@ -147,6 +147,21 @@ def test_sweep_main_prints_one_line_per_point(capsys, monkeypatch):
                        "--launcher=tpu", "--run"])
   with pytest.raises(ValueError, match="Unknown sweep"):
     sweep_script.main([f"--config={BABYAI}", "--sweep=nope", "--workdir=w"])
+
+
+def test_sweep_docstring_example_runs_and_names_its_points(capsys, monkeypatch):
+  """The usage line at the top of launch/sweep.py expands (its --sweep names a real sweep),
+  and the point name the docstring quotes is one of the workdirs it prints."""
+  monkeypatch.chdir(ROOT)
+  doc = sweep_script.__doc__
+  usage = re.sub(r"\[[^\]]*\]", "", doc.split("\n\n")[1].replace("\\\n", " "))
+  argv = shlex.split(usage)
+  assert argv[:2] == ["python", "launch/sweep.py"], usage
+  assert sweep_script.main(argv[2:]) == 0
+  name = re.search(r"NAME names the point \(`([^`]+)`\)", doc).group(1)
+  workdirs = [arg for line in capsys.readouterr().out.splitlines()
+              for arg in shlex.split(line) if arg.startswith("--workdir=")]
+  assert len(workdirs) == 3 and any(w.endswith(f"/{name}") for w in workdirs), workdirs
 
 
 def test_sweep_run_executes_local_lines_and_stops_on_failure(tmp_path, monkeypatch):

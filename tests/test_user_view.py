@@ -59,6 +59,22 @@ def test_console_shows_progress_evals_and_summary_not_info_logs(run):
   assert "Config:" in log and "CheckpointManager" in log  # the INFO went to the log file
 
 
+def test_evaluate_shows_a_progress_bar_and_ends_with_its_result_line(run, tmp_path):
+  workdir, _ = run
+  out = tmp_path / "eval"
+  result = run_cli("agentgym_jax.evaluate", f"--config={CONFIG}", f"--checkpoint={workdir}",
+                   "--num_tasks=2", "--num_samples=2", f"--output={out}")
+  assert result.returncode == 0, result.stdout[-3000:]
+  lines = [line.strip() for line in re.split(r"[\r\n]", result.stdout) if line.strip()]
+  assert not [line for line in lines if re.match(r"I\d{4} \d\d:", line) or "orbax" in line]
+  assert any(re.match(r"evaluate: 100%.* 4/4 ", line) for line in lines)  # 2 tasks x 2
+  assert "| work step 2 (Pass@2) |" in result.stdout  # the table, then the result line
+  assert re.fullmatch(r"work step 2 on keypad test: Pass@2 [\d.]+, Avg@2 [\d.]+, success "
+                      r"[\d.]+ per episode \(2 tasks x 2, \d+ s\); report and episodes in "
+                      + re.escape(str(out)), lines[-1]), lines[-1]
+  assert "Wrote " in (out / "evaluate.log").read_text()  # the INFO went to the log file
+
+
 def test_trainer_saves_a_sample_of_each_steps_episodes(run):
   workdir, _ = run
   saved = workdir / "trajectories"
@@ -203,11 +219,22 @@ def test_command_line_mistakes_give_one_line_and_write_nothing(tmp_path):
                   "lern.py", "experiments/keypad/learn.py")
   _one_line_error(run_cli(*train, f"--config={CONFIG}", "--config.env.name=keypd"),
                   "'keypd'", "keypad")
+  _one_line_error(run_cli(*train, f"--config={CONFIG}", "--config.optim.lrr=1e-3"),
+                  "--config.optim.lrr=1e-3", "'lrr'", 'Did you mean "lr"')
   assert not workdir.exists()  # no empty workdir, no config.json
+  eval_out = tmp_path / "eval"
+  _one_line_error(run_cli("agentgym_jax.evaluate", f"--config={CONFIG}",
+                          "--config.optim.lrr=1e-3", f"--output={eval_out}"), "'lrr'")
+  _one_line_error(run_cli("agentgym_jax.evaluate", "--config=experiments/keypad/lern.py",
+                          f"--output={eval_out}"), "lern.py")
+  _one_line_error(run_cli("agentgym_jax.evaluate", f"--config={CONFIG}",
+                          "--config.env.name=keypd", f"--output={eval_out}"), "'keypd'")
+  assert not eval_out.exists()
   a_file = tmp_path / "a_file"
   a_file.write_text("")
   _one_line_error(run_cli("agentgym_jax.train", f"--config={CONFIG}", f"--workdir={a_file}"),
                   "is a file")
+  assert a_file.read_text() == ""
   not_a_run = tmp_path / "not_a_run"
   not_a_run.mkdir()
   _one_line_error(run_cli("agentgym_jax.evaluate", f"--config={CONFIG}",

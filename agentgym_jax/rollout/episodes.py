@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -220,7 +220,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
                  rng: Any = 0, system_prompt: str | None = None, mesh: Mesh | None = None,
                  acknowledgement: str | None = None, max_chunk: int = 512,
                  compact: bool = True, grow_cache: bool = True, cache_dtype=jnp.float32,
-                 replicas: int = 1, rows: Sequence[int] | None = None
+                 replicas: int = 1, rows: Sequence[int] | None = None,
+                 on_ended: Callable[[int], None] | None = None
                  ) -> tuple[Trajectory, dict[str, Any]]:
   """Runs len(task_ids) * group_size episodes to the end and returns them as a Trajectory.
 
@@ -251,6 +252,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     rows: which of the len(task_ids) * group_size episodes to run, in order (default all); the
       trajectory then holds these rows only, with their group ids and random keys of the whole
       batch.
+    on_ended: called after the openings and after every turn with the number of episodes
+      that ended there (e.g. a progress bar's `update`).
 
   Returns:
     The Trajectory [B, L] (B = len(task_ids) * group_size) and stats: rollout throughput, plus
@@ -293,6 +296,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
       e.finish("context", truncated=True)
     else:
       running[i] = True
+  if on_ended is not None:
+    on_ended(num - int(running.sum()))
 
   limit = -(-max_context // 128) * 128
   episode_keys = jax.random.split(key, total)[rows]
@@ -315,6 +320,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     if not running.any():
       break
     turn_start = time.perf_counter()
+    num_running = int(running.sum())
     # Dispatch every replica's extend and decode first; they run while the next is queued.
     turns = []
     for batch in batches:
@@ -388,6 +394,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
           e.append(chunk, turn=turn)
       running[ep] = not e.stop_reason
     turn_seconds.append(time.perf_counter() - turn_start)
+    if on_ended is not None:
+      on_ended(num_running - int(running.sum()))
 
   traj = build_trajectory(episodes, tok.pad_id)
   # Outcome statistics of the episodes come from `train.metrics.episode_metrics`.

@@ -21,35 +21,17 @@ import sys
 import jax
 import ml_collections
 from absl import app, flags
-from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from agentgym_jax import cli
 from agentgym_jax import sharding
-from agentgym_jax.rollout import envs
 
 config_flags.DEFINE_config_file(
-    "config", None, f"Experiment config file, e.g. {cli.EXAMPLE_CONFIG}.",
+    "config", None, f"Experiment config file[:arg], e.g. {cli.EXAMPLE_CONFIG}.",
     lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, exports.")
 flags.mark_flags_as_required(["config", "workdir"])
 LOG_FILE = "train.log"
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  """absl parsing, with a one-line error for an override of a field that does not exist.
-
-  ml_collections raises AttributeError/KeyError (with a "did you mean") from deep inside flag
-  parsing; the traceback would bury the one line that matters.
-  """
-  try:
-    return flags.FLAGS(argv)
-  except (AttributeError, KeyError) as e:
-    bad = [a for a in argv[1:] if a.startswith("--config.")]
-    message = str(e).strip("'\"").replace("\\n", " ")
-    sys.exit(f"FATAL: bad config override among {bad}: no such field: {message}")
-  except flags.Error as e:
-    sys.exit(f"FATAL: {e}\nPass --helpshort for the flags.")
 
 
 def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
@@ -57,22 +39,15 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     cli.fatal(f"--workdir={workdir} is a file; pass a directory (a new one, or a run's workdir "
               "to resume it).")
-  try:
-    envs.check(config)
-  except ValueError as e:
-    cli.fatal(f"config.env: {e}")
+  cli.check_env(config)
 
 
 def log_to_workdir(workdir: str) -> str:
-  """Sends INFO logging to a file in `workdir` (one per process) and keeps only warnings and
-  errors on the terminal, unless --alsologtostderr; returns the file's path."""
+  """Sends INFO logging to a file in `workdir` (one per process), not the terminal; returns
+  the file's path."""
   index = jax.process_index()
   path = os.path.join(workdir, LOG_FILE if index == 0 else f"train.process{index}.log")
-  handler = logging.FileHandler(path)
-  handler.setFormatter(absl_logging.PythonFormatter())
-  logging.getLogger().addHandler(handler)
-  if not flags.FLAGS.alsologtostderr:
-    absl_logging.get_absl_handler().setLevel(logging.WARNING)
+  cli.log_to(path)
   return path
 
 
@@ -81,7 +56,6 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config, workdir = cli.config_from_flag(), _WORKDIR.value
   check_run(config, workdir)
-  logging.getLogger().setLevel(logging.INFO)
   # A preempted job gets SIGTERM: turn it into an exception so the trainer's cleanup runs and
   # waits for a checkpoint that is still being written instead of dying mid-save.
   signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -105,4 +79,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli.parse_flags)

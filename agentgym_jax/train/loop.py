@@ -211,8 +211,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
   def run_eval(step: int) -> dict[str, float]:
     # The command line's evaluation of this step's checkpoint: same settings, key and report.
+    # One key for every evaluation of the run, so checkpoints are compared on the same
+    # sampling noise and a change between them is the policy's.
     result = evaluate.evaluate(config, eval_settings, policy_def, state.policy, tok, pool,
-                               rng=evaluate.eval_key(config.seed, step), mesh=mesh)
+                               rng=evaluate.eval_key(config.seed), mesh=mesh)
     if jax.process_index() == 0:
       evaluate.write_report(result, os.path.join(workdir, EVAL_DIR, f"step_{step}"),
                             evaluate.checkpoint_label(workdir, step), eval_settings.split)

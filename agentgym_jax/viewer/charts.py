@@ -21,8 +21,9 @@ CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Entropy", ("actor/entropy",)),
 )
 COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd")
-# Pixels: plot area, its left and top margins, the x-axis labels' band, a legend line.
-PLOT_W, PLOT_H, LEFT, TOP, AXIS, LEGEND = 300, 130, 48, 28, 20, 13
+# Pixels: plot area, its left margin (room for a y label as long as -0.000351) and top margin,
+# the x-axis labels' band, a legend line. Three charts fit side by side in the page's 1200 px.
+PLOT_W, PLOT_H, LEFT, TOP, AXIS, LEGEND = 300, 130, 56, 28, 20, 13
 
 
 def _fmt(x: float) -> str:

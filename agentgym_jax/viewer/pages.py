@@ -53,8 +53,13 @@ def run_page(name: str, facts: dict[str, Any], charts: Sequence[str],
            '<div class="charts">' + "\n".join(charts) + "</div>" if charts
            else "<p>No metrics.jsonl in this directory.</p>"]
   if evals_in_training:
-    names = sorted({k for r in evals_in_training for k in r if k.startswith("eval/")})
-    parts += ["<h2>Held-out evaluation during training</h2>",
+    # The counts go in the heading: they are the same at every evaluation.
+    counts = ("eval/num_tasks", "eval/n")
+    names = sorted({k for r in evals_in_training for k in r
+                    if k.startswith("eval/") and k not in counts})
+    tasks, n = (int(evals_in_training[-1].get(k, 0)) for k in counts)
+    parts += [f"<h2>Held-out evaluation during training <small>({tasks} tasks, {n} sampled per "
+              "task)</small></h2>",
               table(["step"] + [n.removeprefix("eval/") for n in names],
                     [[r["step"]] + [r.get(n, "") for n in names] for r in evals_in_training],
                     "evals")]

@@ -26,23 +26,38 @@ train() {  # train ENV RUN CONFIG_ARGS [--config.x=y ...]
   grep -E "^(eval at|Held-out)" "${root}/${env}/${run}.log" || true  # none: already complete
 }
 
+sample() {  # sample ENV RUN: held-out success at temperature 1, 4 samples per test task
+  local env="$1" run="$2"
+  echo "=== ${env}/${run}: Avg@4 / Pass@4 at temperature 1"
+  [[ -f "${root}/${env}/${run}/eval_avg4/eval_test.md" ]] ||
+    "${python}" -m agentgym_jax.evaluate --config="experiments/tiny/${env}.py:stage=bc" \
+        --checkpoint="${root}/${env}/${run}" --output="${root}/${env}/${run}/eval_avg4" \
+        --num_samples=4 --temperature=1.0 > "${root}/${env}/${run}_avg4.log" 2>&1
+  grep -E "Pass@|Avg@" "${root}/${env}/${run}/eval_avg4/eval_test.md"
+}
+
 for part in "${parts[@]}"; do
   case "${part}" in
     babyai | textcraft)
       mkdir -p "${root}/${part}"
       train "${part}" bc "stage=bc"
+      train "${part}" bc_more "stage=bc_more,init=${root}/${part}/bc"
       algos=(grpo ppo)
       [[ "${part}" == babyai ]] && algos+=(reinforce_pp rloo)
       for algo in "${algos[@]}"; do
-        train "${part}" "${algo}" "stage=rl,algo=${algo},init=${root}/${part}/bc"
+        train "${part}" "${algo}" "stage=rl,algo=${algo},init=${root}/${part}/bc_more"
+      done
+      for run in bc bc_more "${algos[@]}"; do
+        sample "${part}" "${run}"
       done ;;
     horizon)
       for horizon in short long scaling_inter; do
-        train babyai "h_${horizon}" "stage=rl,algo=grpo,horizon=${horizon},init=${root}/babyai/bc"
+        train babyai "h_${horizon}" \
+            "stage=rl,algo=grpo,horizon=${horizon},init=${root}/babyai/bc_more"
       done ;;
     seeds)
       for algo in grpo ppo; do
-        train babyai "${algo}_s1" "stage=rl,algo=${algo},seed=1,init=${root}/babyai/bc"
+        train babyai "${algo}_s1" "stage=rl,algo=${algo},seed=1,init=${root}/babyai/bc_more"
       done ;;
     *) echo "unknown part ${part}; use babyai, textcraft, horizon or seeds" >&2; exit 2 ;;
   esac
