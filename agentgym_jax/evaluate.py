@@ -60,9 +60,6 @@ from agentgym_jax.rollout.trajectory import build_trajectory
 from agentgym_jax.train import checkpoints, sources
 from agentgym_jax.tokenization import ChatTokenizer
 
-# The stream id folded into an evaluation's key (the trainer's rollout is 0, its update 1).
-EVAL_STREAM = 2
-
 # The paper's table columns per environment: (column, regex searched in the env's category).
 # Order is the paper's; the first matching rule wins.
 PAPER_COLUMNS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -129,9 +126,10 @@ def eval_key(seed: int) -> jax.Array:
   line's alike.
 
   One key for every evaluation of a run, so checkpoints are compared on the same sampling
-  noise and a change between them is the policy's.
+  noise and a change between them is the policy's. The training streams fold the step and
+  their stream id into this key, so none of them draws with this key itself.
   """
-  return jax.random.fold_in(jax.random.key(seed), EVAL_STREAM)
+  return jax.random.key(seed)
 
 
 @dataclasses.dataclass

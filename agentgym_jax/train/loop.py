@@ -39,7 +39,7 @@ from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import trajectories
 from agentgym_jax.train import update as update_lib
 
-ROLLOUT_STREAM = 0  # update_lib.UPDATE_STREAM is 1, evaluate.EVAL_STREAM 2
+ROLLOUT_STREAM = 0  # update_lib.UPDATE_STREAM is 1; evaluations use evaluate.eval_key
 # Behaviour cloning samples nothing: its steps report no rollout throughput.
 _NO_ROLLOUT_STATS = {"rollout/sampled_tokens": 0, "rollout/env_seconds": 0.0}
 # In-loop evaluation reports, one folder per step, inside the workdir.
