@@ -27,7 +27,7 @@ from agentgym_jax.train import config as base
 LEVELS = ("GoToRedBallGrey", "GoToRedBall", "GoToRedBallNoDists")
 SETTING = common.EnvSetting(
     env="babyai", env_kwargs={"levels": LEVELS}, turns=6, short=2, long=10,
-    max_reply_tokens=32, max_context=2048, bc_steps=32, bc_more_steps=24, rl_steps=30,
+    max_reply_tokens=32, max_context=2048, bc_steps=32, bc_more_steps=24, rl_steps=20,
     bc_noise=0.3)
 
 

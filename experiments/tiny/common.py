@@ -126,11 +126,11 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     # outweigh the short successes, the net push is down on the reply template every episode
     # shares, and at lr 1e-3 the format broke within 3 steps (experiments/tiny/README.md).
     c.algo.loss_agg_mode = "seq-mean-token-mean"
-    # From the 56-step BC policy (entropy 0.16 per token) 1e-3 broke the replies within 2 steps
-    # (GRPO: approx. KL 0.5 at step 2, then empty replies; PPO: greedy 60% -> 38% by step 6).
-    c.optim.lr = 3e-4
-    c.optim.critic_lr = 1e-3
-    c.eval.every_steps = max(1, s.rl_steps // 5)
+    # From the 32-step BC policy. From the sharper 56-step one (stage=bc_more) 1e-3 broke the
+    # replies within 2 steps, and the study's runs from it override lr=3e-4, critic_lr=1e-3.
+    c.optim.lr = 1e-3
+    c.optim.critic_lr = 2e-3
+    c.eval.every_steps = max(1, s.rl_steps // 4)
     c.checkpoint.every_steps = max(1, s.rl_steps // 4)
     if args.horizon == "short":
       c.schedule.horizons = (s.short,)

@@ -45,19 +45,24 @@ for part in "${parts[@]}"; do
       algos=(grpo ppo)
       [[ "${part}" == babyai ]] && algos+=(reinforce_pp rloo)
       for algo in "${algos[@]}"; do
-        train "${part}" "${algo}" "stage=rl,algo=${algo},init=${root}/${part}/bc_more"
+        train "${part}" "${algo}" "stage=rl,algo=${algo},init=${root}/${part}/bc"
       done
-      for run in bc bc_more "${algos[@]}"; do
+      # From the sharper second-cycle BC policy, at the smaller step size it needs.
+      for algo in grpo ppo; do
+        train "${part}" "${algo}_bc_more" "stage=rl,algo=${algo},init=${root}/${part}/bc_more" \
+            --config.optim.lr=3e-4 --config.optim.critic_lr=1e-3 --config.total_steps=30 \
+            --config.eval.every_steps=6 --config.checkpoint.every_steps=7
+      done
+      for run in bc bc_more "${algos[@]}" grpo_bc_more ppo_bc_more; do
         sample "${part}" "${run}"
       done ;;
     horizon)
       for horizon in short long scaling_inter; do
-        train babyai "h_${horizon}" \
-            "stage=rl,algo=grpo,horizon=${horizon},init=${root}/babyai/bc_more"
+        train babyai "h_${horizon}" "stage=rl,algo=grpo,horizon=${horizon},init=${root}/babyai/bc"
       done ;;
     seeds)
       for algo in grpo ppo; do
-        train babyai "${algo}_s1" "stage=rl,algo=${algo},seed=1,init=${root}/babyai/bc_more"
+        train babyai "${algo}_s1" "stage=rl,algo=${algo},seed=1,init=${root}/babyai/bc"
       done ;;
     *) echo "unknown part ${part}; use babyai, textcraft, horizon or seeds" >&2; exit 2 ;;
   esac

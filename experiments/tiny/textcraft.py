@@ -17,7 +17,7 @@ from agentgym_jax.train import config as base
 
 SETTING = common.EnvSetting(
     env="textcraft", env_kwargs={}, turns=10, short=5, long=15, max_reply_tokens=40,
-    max_context=2048, bc_steps=32, bc_more_steps=24, rl_steps=30, bc_noise=0.3)
+    max_context=2048, bc_steps=32, bc_more_steps=24, rl_steps=20, bc_noise=0.3)
 
 
 def get_config(arg=None):
