@@ -6,7 +6,7 @@ reads ROOT/<env>/<run>/metrics.jsonl for every run that exists (bc, bc_more, grp
 reinforce_pp, rloo, grpo_bc_more, ppo_bc_more, the horizon runs h_short, h_long,
 h_scaling_inter, and seed repeats <run>_s<seed>), then writes <env>_curves.png (held-out and
 training success vs step, one line per run), horizon_curves.png, and prints the markdown
-tables of experiments/tiny/README.md.
+tables of experiments/tiny/README.md (the sampled one from each run's eval_avg4/ report).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 BC_RUNS = ("bc", "bc_more")
 ALGO_RUNS = ("grpo", "ppo", "reinforce_pp", "rloo", "grpo_bc_more", "ppo_bc_more")
 HORIZON_RUNS = ("h_short", "h_long", "h_scaling_inter")
+SAMPLED_REPORT = os.path.join("eval_avg4", "eval_test.json")
 LABELS = {"bc": "BC (noisy expert)", "bc_more": "BC, second cycle (from BC)", "grpo": "GRPO",
           "ppo": "PPO (GAE + critic)", "reinforce_pp": "REINFORCE++", "rloo": "RLOO",
           "grpo_bc_more": "GRPO from the second BC cycle",
@@ -84,6 +85,20 @@ def table(env: str, runs: dict[str, list[list[dict]]], names: tuple[str, ...]) -
   return f"**{env}**\n\n" + "\n".join(lines)
 
 
+def sampled_table(env_dir: str, names: tuple[str, ...]) -> str:
+  """Markdown: each run's final checkpoint at temperature 1 (`evaluate --num_samples=4
+  --temperature=1.0 --output=<run>/eval_avg4`, as run_study.sh runs it), where it exists."""
+  lines = ["| checkpoint | success per sample, % | Avg@4 | Pass@4, % |", "|---|---:|---:|---:|"]
+  for name in names:
+    path = os.path.join(env_dir, name, SAMPLED_REPORT)
+    if os.path.exists(path):
+      with open(path) as f:
+        overall = json.load(f)["metrics"]["Overall"]
+      lines.append(f"| {LABELS[name]} | {100 * overall['pass@1']:.1f} | "
+                   f"{100 * overall['avg']:.1f} | {100 * overall['pass']:.1f} |")
+  return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def plot(runs: dict[str, list[list[dict]]], names: tuple[str, ...], title: str, out: str) -> None:
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   for name in names:
@@ -119,6 +134,9 @@ def main() -> None:
       continue
     runs = runs_of(env_dir)
     print(table(env, runs, ALGO_RUNS), "\n")
+    sampled = sampled_table(env_dir, BC_RUNS + ALGO_RUNS)
+    if sampled:
+      print(f"**{env}, sampled at temperature 1**\n\n{sampled}\n")
     plot(runs, ALGO_RUNS, env, os.path.join(args.out, f"{env}_curves.png"))
     if any(name in runs for name in HORIZON_RUNS):
       print(table(f"{env}, horizon study (GRPO)", runs, HORIZON_RUNS), "\n")
