@@ -8,9 +8,13 @@ listed and otherwise turn or move to find it; the expert (minigrid's BabyAIBot) 
 the action, left this model answering "go to red ball 1" everywhere after 40 BC steps: copying
 from the goal needs more training than this study's budget.)
 
-  # 1. BC warm start (about 5 minutes):
+  # 1. BC warm start (about 8 minutes on a quiet 2-core machine), then optionally a second
+  #    BC cycle from it:
   python -m agentgym_jax.train --config=experiments/tiny/babyai.py:stage=bc \
       --workdir=/tmp/tiny/babyai/bc
+  python -m agentgym_jax.train \
+      --config=experiments/tiny/babyai.py:stage=bc_more,init=/tmp/tiny/babyai/bc \
+      --workdir=/tmp/tiny/babyai/bc_more
   # 2. RL from it, one run per algorithm (and horizon=short|long|scaling_inter for the
   #    horizon study):
   python -m agentgym_jax.train \
@@ -18,7 +22,9 @@ from the goal needs more training than this study's budget.)
       --workdir=/tmp/tiny/babyai/grpo
   # 3. Tables and curves: experiments/tiny/run_study.sh runs all of it; plot.py draws it.
 
-Expected: see experiments/tiny/README.md (measured numbers, whatever they are).
+Expected (seed 0; experiments/tiny/README.md has every number): greedy held-out success 0% ->
+37.8% after BC, 60.0% after the second cycle; GRPO from BC keeps 37.8% greedy and raises
+success per sample at temperature 1 from 30.0% to 36.7%.
 """
 
 from experiments.tiny import common
