@@ -1,5 +1,6 @@
 """Learning checks: every estimator trains a random tiny model from < 20% to > 90% success on
-keypad; on BabyAI, behaviour cloning then GRPO lift held-out success (experiments/tiny).
+keypad; on BabyAI, behaviour cloning lifts held-out success and GRPO from it keeps it
+(experiments/tiny).
 
 experiments/keypad/learn.py: `keypad` with one code for all tasks, found only by exploring;
 a 2-layer random model, 8 tasks x 8 samples per step, 24 steps. A sign error, a misaligned
@@ -58,7 +59,7 @@ BC_STEPS, RL_STEPS, BC_LIFT, RL_DROP = 32, 20, 0.25, 0.05
 
 @pytest.mark.slow
 def test_bc_then_grpo_on_babyai(tmp_path, compile_cache):
-  """experiments/tiny/babyai.py end to end (about 25 minutes on a quiet 2-core machine): BC
+  """experiments/tiny/babyai.py end to end (about 16 minutes on a quiet 2-core machine): BC
   lifts greedy held-out success over the untrained model by BC_LIFT, and GRPO from the BC
   checkpoint starts at the BC policy's success and ends within RL_DROP of it."""
   bc, rl = str(tmp_path / "bc"), str(tmp_path / "grpo")
