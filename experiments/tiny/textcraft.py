@@ -9,7 +9,7 @@ the right "get"/"craft" commands from the listed crafting commands in the right 
       --config=experiments/tiny/textcraft.py:stage=rl,algo=grpo,init=/tmp/tiny/textcraft/bc \
       --workdir=/tmp/tiny/textcraft/grpo
 
-Expected: see experiments/tiny/README.md (measured numbers, whatever they are).
+Expected: not measured yet; the study (experiments/tiny/README.md) has run BabyAI only.
 """
 
 from experiments.tiny import common
