@@ -39,25 +39,25 @@ def ball_in_view(first_observation: str) -> bool:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _log_softmax(graphdef, params, tokens, valid):
-  return jax.nn.log_softmax(nnx.merge(graphdef, params)(tokens, valid), axis=-1)
+def _sequence_logprobs(graphdef, params, tokens, valid, scored):
+  """Sum of log p(token | prefix) over the `scored` positions of each row, [R]."""
+  logp = jax.nn.log_softmax(nnx.merge(graphdef, params)(tokens, valid), axis=-1)
+  per_token = jnp.take_along_axis(logp[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+  return jnp.sum(jnp.where(scored[:, 1:], per_token, 0.0), axis=-1)
 
 
-def reply_logprobs(model, prompt: list[int], replies: list[list[int]]) -> np.ndarray:
+def reply_logprobs(graphdef, params, prompt: list[int], replies: list[list[int]]) -> np.ndarray:
   """log p(reply | prompt) for each reply (its end-of-turn id included), [len(replies)]."""
   # Lengths rounded up to 256: a few compiled shapes for all the openings.
   length = -(-(len(prompt) + max(map(len, replies))) // 256) * 256
   tokens = np.zeros((len(replies), length), np.int32)
   valid = np.zeros((len(replies), length), bool)
+  scored = np.zeros((len(replies), length), bool)
   for row, reply in enumerate(replies):
     ids = prompt + reply
     tokens[row, :len(ids)], valid[row, :len(ids)] = ids, True
-  logp = _log_softmax(*nnx.split(model), jnp.asarray(tokens), jnp.asarray(valid))
-  out = np.zeros(len(replies))
-  for row, reply in enumerate(replies):
-    targets = np.arange(len(prompt), len(prompt) + len(reply))
-    out[row] = float(logp[row, targets - 1, tokens[row, targets]].sum())
-  return out
+    scored[row, len(prompt):len(ids)] = True
+  return np.asarray(_sequence_logprobs(graphdef, params, tokens, valid, scored))
 
 
 def main() -> None:
@@ -67,6 +67,7 @@ def main() -> None:
   args = parser.parse_args()
   tok = ChatTokenizer.from_pretrained(os.path.join(args.workdir, "tokenizer"))
   _, model = hf_io.load_hf(os.path.join(args.workdir, "hf"))
+  graphdef, params = nnx.split(model)
   replies = [tok.encode_reply(BabyAIEnv.format_action(action)) for action in CANDIDATES]
   groups: dict[bool, list[np.ndarray]] = {True: [], False: []}
   seen = set()
@@ -77,7 +78,7 @@ def main() -> None:
         continue
       seen.add(episode["task_id"])
       opening = episode["messages"][:3]
-      logp = reply_logprobs(model, tok.encode_opening(opening), replies)
+      logp = reply_logprobs(graphdef, params, tok.encode_opening(opening), replies)
       probs = np.exp(logp - logp.max())
       groups[ball_in_view(opening[2]["content"])].append(probs / probs.sum())
   print(f"{os.path.basename(os.path.normpath(args.workdir))}: p(first reply), normalised over "
