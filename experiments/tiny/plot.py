@@ -69,10 +69,10 @@ def spread(values: list[float]) -> str:
 
 
 def table(env: str, runs: dict[str, list[list[dict]]], names: tuple[str, ...]) -> str:
-  """Markdown: each run's held-out success at its first and last evaluation (BC runs first)."""
+  """Markdown: each named run's held-out success at its first and last evaluation."""
   lines = ["| run | seeds | held-out success before, % | after, % | gain, points | steps | "
            "training wall, min |", "|---|---:|---:|---:|---:|---:|---:|"]
-  for name in BC_RUNS + names:
+  for name in names:
     if name not in runs:
       continue
     seeds = runs[name]
@@ -133,7 +133,7 @@ def main() -> None:
     if not os.path.isdir(env_dir):
       continue
     runs = runs_of(env_dir)
-    print(table(env, runs, ALGO_RUNS), "\n")
+    print(table(env, runs, BC_RUNS + ALGO_RUNS), "\n")
     sampled = sampled_table(env_dir, BC_RUNS + ALGO_RUNS)
     if sampled:
       print(f"**{env}, sampled at temperature 1**\n\n{sampled}\n")
