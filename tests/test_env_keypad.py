@@ -42,3 +42,32 @@ def test_codes_are_deterministic_per_task_and_drawn_from_the_given_digits():
     with pytest.raises(ValueError):
       KeypadEnv(**bad)
   assert KeypadEnv.parse_action("no digits here") == ""
+
+
+def test_a_longer_code_is_entered_digit_by_digit_with_its_state_as_the_anchor():
+  env = KeypadEnv(code="372", max_steps=6)
+  observation, info = env.reset(options={"task_id": 5})
+  assert (observation, info["state_key"]) == ("Code: 372.", "372:0")
+  # reply, observation, reward so far (a right digit adds 1 / (3 * (1 + misses))), state key
+  expected = [("3", "Right. Code: 372. Entered: 3.", 1 / 3, "372:1"),
+              ("3", "Wrong. Code: 372. Entered: 3.", 1 / 3, "372:1"),
+              ("no", "No digit. Code: 372. Entered: 3.", 1 / 3, "372:1"),
+              ("7", "Right. Code: 372. Entered: 37.", 4 / 9, "372:2"),
+              ("2", "Unlocked.", 5 / 9, "372:3")]
+  for reply, want_observation, want_reward, want_key in expected:
+    observation, reward, terminated, truncated, info = env.step(env.parse_action(reply))
+    assert (observation, info["state_key"]) == (want_observation, want_key)
+    assert reward == pytest.approx(want_reward) and not truncated
+  assert terminated and info["success"] and info["score"] == pytest.approx(5 / 9)
+  # The expert enters the code in `length` turns and earns 1; digits per task are drawn.
+  env = KeypadEnv(length=3, max_steps=3)
+  codes = set()
+  for task_id in range(20):
+    _, info = env.reset(options={"task_id": task_id})
+    codes.add(info["code"])
+    rewards = [env.step(env.expert_action())[1] for _ in range(3)]
+    assert rewards == pytest.approx([1 / 3, 2 / 3, 1.0]) and len(info["code"]) == 3
+  assert len(codes) > 10
+  for bad in ({"length": 0}, {"code": "3a"}):
+    with pytest.raises(ValueError):
+      KeypadEnv(**bad)

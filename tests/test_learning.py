@@ -51,6 +51,29 @@ def test_estimator_learns_keypad_from_scratch(algo, tmp_path, compile_cache):
   assert lines[-1]["eval/success_rate"] > 0.9
 
 
+# experiments/keypad/credit.py: the two-digit lock, where the right digit depends on what is
+# entered. GRPO's episode-level credit raises the first digit everywhere and never opens it
+# (experiments/keypad/README.md); the turn-level estimators must.
+CREDIT_ALGOS, CREDIT_OPENED = ("gigpo", "turn_ppo"), 0.8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", CREDIT_ALGOS)
+def test_turn_level_credit_opens_the_two_digit_lock(algo, tmp_path, compile_cache):
+  result = run_cli("agentgym_jax.train", [
+      f"--config=experiments/keypad/credit.py:algo={algo}", f"--workdir={tmp_path}",
+      "--config.log.progress_bar=False", "--config.checkpoint.export_hf=False"],
+      compile_cache, timeout=1800)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = metrics(str(tmp_path))
+  success = [m["episodes/success_rate"] for m in lines if "episodes/success_rate" in m]
+  held_out = [m["eval/success_rate"] for m in lines if "eval/success_rate" in m]
+  print(f"\n{algo}: training success {[round(s, 2) for s in success]}, held-out {held_out}")
+  assert success[0] < 0.1, success
+  assert sum(success[-5:]) / 5 > CREDIT_OPENED, success
+  assert held_out[-1] > CREDIT_OPENED, held_out
+
+
 # The study's own run lengths (experiments/tiny/babyai.py). At this budget GRPO does not lift
 # greedy held-out success over BC (experiments/tiny/README.md reports it as a missed goal: the
 # 0.9M model's BC policy barely reads the observation, and RL only moves its marginal), so the
