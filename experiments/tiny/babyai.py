@@ -8,7 +8,7 @@ listed and otherwise turn or move to find it; the expert (minigrid's BabyAIBot) 
 the action, left this model answering "go to red ball 1" everywhere after 40 BC steps: copying
 from the goal needs more training than this study's budget.)
 
-  # 1. BC warm start (about 8 minutes on a quiet 2-core machine), then optionally a second
+  # 1. BC warm start (about 7 minutes on a quiet 2-core machine), then optionally a second
   #    BC cycle from it:
   python -m agentgym_jax.train --config=experiments/tiny/babyai.py:stage=bc \
       --workdir=/tmp/tiny/babyai/bc
@@ -22,10 +22,9 @@ from the goal needs more training than this study's budget.)
       --workdir=/tmp/tiny/babyai/grpo
   # 3. Tables and curves: experiments/tiny/run_study.sh runs all of it; plot.py draws it.
 
-Expected (seed 0; experiments/tiny/README.md has every number): greedy held-out success 0% ->
-37.8% after BC, 60.0% after the second cycle; GRPO from BC keeps 37.8% greedy and raises
-success per sample at temperature 1 from 30.0% to 36.7%; GiGPO with a KL term to BC reaches
-46.7% in seed 0 and 37.8% in seed 1.
+Expected (seed 0; experiments/tiny/README.md has every number): after the 24-step BC, greedy
+held-out success 76.7% and 8.3% per sample at temperature 1; GRPO from it 36.9% per sample
+(+28.6 points) while greedy success falls to 37.8%; PPO and RLOO alike.
 """
 
 from experiments.tiny import common
@@ -34,7 +33,7 @@ from agentgym_jax.train import config as base
 LEVELS = ("GoToRedBallGrey", "GoToRedBall", "GoToRedBallNoDists")
 SETTING = common.EnvSetting(
     env="babyai", env_kwargs={"levels": LEVELS}, turns=6, short=2, long=10,
-    max_reply_tokens=32, max_context=2048, bc_steps=32, bc_more_steps=24, rl_steps=20,
+    max_reply_tokens=32, max_context=2048, bc_steps=24, bc_more_steps=24, rl_steps=20,
     bc_noise=0.3)
 
 

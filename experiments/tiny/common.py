@@ -102,8 +102,8 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
       c.optim.warmup_steps = 3
     else:
       # A second cosine cycle from the first one's checkpoint: on BabyAI the 32-step policy
-      # ignores the observation (the same action distribution whether the ball is in view or
-      # not, probe_actions.py); more cloning is where it starts to read it.
+      # of the study's third round ignored the observation (the same action distribution
+      # whether the ball is in view or not, probe_actions.py); more cloning read it more.
       c.init_from = args.init
       c.total_steps = s.bc_more_steps
       c.optim.lr = 2e-3
@@ -120,10 +120,10 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     # outweigh the short successes, the net push is down on the reply template every episode
     # shares, and at lr 1e-3 the format broke within 3 steps (experiments/tiny/README.md).
     c.algo.loss_agg_mode = "seq-mean-token-mean"
-    # From the 32-step BC policy. From the sharper 56-step one (stage=bc_more) 1e-3 broke the
-    # replies within 2 steps, and the study's runs from it override lr=3e-4, critic_lr=1e-3.
-    c.optim.lr = 1e-3
-    c.optim.critic_lr = 2e-3
+    # From the 24-step BC policy, 1e-3 broke the replies at the first step (approximate KL
+    # 0.29, no success from step 2); the 32-step policy of the first round took 1e-3.
+    c.optim.lr = 3e-4
+    c.optim.critic_lr = 1e-3
     if args.algo == "gigpo":
       # A refused action leaves the state as it was, so the turns that acted from one state
       # differ by how many turns their success was still away: a discount of 0.9 per turn,
