@@ -68,6 +68,6 @@ def test_a_longer_code_is_entered_digit_by_digit_with_its_state_as_the_anchor():
     rewards = [env.step(env.expert_action())[1] for _ in range(3)]
     assert rewards == pytest.approx([1 / 3, 2 / 3, 1.0]) and len(info["code"]) == 3
   assert len(codes) > 10
-  for bad in ({"length": 0}, {"code": "3a"}):
+  for bad in ({"length": 0}, {"code": "3a"}, {"code": "37", "length": 3}):
     with pytest.raises(ValueError):
       KeypadEnv(**bad)

@@ -70,6 +70,8 @@ class KeypadEnv(TextEnv):
       raise ValueError(f"length (digits per code) must be >= 1, got {length}.")
     if code and not code.isdigit():
       raise ValueError(f"code must be digits only, e.g. '372'; got {code!r}.")
+    if code and length not in (1, len(code)):
+      raise ValueError(f"length={length} contradicts code={code!r}: give one of the two.")
     self.max_steps = max_steps
     self.codes = codes
     self.length = len(code) or length

@@ -60,12 +60,17 @@ def first_solved(records: list[dict]) -> float | None:
   return next((s for s, v in series(records, "episodes/success_rate") if v >= SOLVED), None)
 
 
+def in_order(runs: dict[str, list[list[dict]]]) -> list[str]:
+  """The runs' estimators, those of ORDER first and in its order."""
+  return sorted(runs, key=lambda a: ORDER.index(a) if a in ORDER else len(ORDER))
+
+
 def table(runs: dict[str, list[list[dict]]]) -> str:
   lines = ["| estimator (`algo=`) | seeds | training success, step 1, % | first step with "
            f"training success >= {SOLVED} | training success, last 5 steps, % | held-out "
            "success, last step, % | wall per run, min |",
            "|---|---:|---:|---:|---:|---:|---:|"]
-  for algo in sorted(runs, key=lambda a: ORDER.index(a) if a in ORDER else len(ORDER)):
+  for algo in in_order(runs):
     seeds = runs[algo]
     train = [[v for _, v in series(r, "episodes/success_rate")] for r in seeds]
     held_out = [series(r, "eval/success_rate")[-1][1] for r in seeds]
@@ -79,13 +84,13 @@ def table(runs: dict[str, list[list[dict]]]) -> str:
 
 def plot(runs: dict[str, list[list[dict]]], out: str) -> None:
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  for i, algo in enumerate(sorted(runs, key=lambda a: ORDER.index(a) if a in ORDER else 99)):
+  for i, algo in enumerate(in_order(runs)):
     for ax, key in zip(axes, ("episodes/success_rate", "eval/success_rate")):
-      per_seed = [series(r, key) for r in runs[algo]]
+      per_seed = [dict(series(r, key)) for r in runs[algo]]
       for s in per_seed:
-        ax.plot(*zip(*s), color=f"C{i}", alpha=0.3, linewidth=1)
-      steps = sorted(set.intersection(*(set(x for x, _ in s) for s in per_seed)))
-      mean = [sum(dict(s)[x] for s in per_seed) / len(per_seed) for x in steps]
+        ax.plot(list(s), list(s.values()), color=f"C{i}", alpha=0.3, linewidth=1)
+      steps = sorted(set.intersection(*(set(s) for s in per_seed)))
+      mean = [sum(s[x] for s in per_seed) / len(per_seed) for x in steps]
       ax.plot(steps, mean, color=f"C{i}", linewidth=2.5,
               label=f"{LABELS.get(algo, algo)} ({len(per_seed)} seeds)")
   axes[0].set_title("keypad 37: training success (sampled)")
