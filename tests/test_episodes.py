@@ -366,8 +366,14 @@ def test_compaction_and_sharding_do_not_change_samples(tok, model, monkeypatch):
   assert sorted(len(active) for active, _, _ in calls) == [1, 1, 2, 2]  # each compacts alone
   assert devices[:2] == [{d} for d in jax.local_devices()[:2]]
   replicas_on_mesh = run(compact=True, mesh=mesh, replicas=2)
+  # A cache of max_context slots from the start, attention bounded to the rows' bucket.
+  caches = []
+  monkeypatch.setattr(sampler, "decode", lambda *args, **kwargs: caches.append(
+      (args[2].max_len, args[2].view_len)) or spied(*args, **kwargs))
+  full_cache = run(compact=True, grow_cache=False)
+  assert set(caches) == {(1024, 256)}
   assert plain.num_turns.tolist() == [1, 2, 1, 2]
-  for other in (compacted, sharded, replicas, replicas_on_mesh):
+  for other in (compacted, sharded, replicas, replicas_on_mesh, full_cache):
     np.testing.assert_array_equal(other.tokens, plain.tokens)
     # Other batch shapes sum attention in another order: float32 rounding, nothing more.
     np.testing.assert_allclose(other.sample_logprobs, plain.sample_logprobs, atol=1e-4)

@@ -285,3 +285,25 @@ def test_bad_configs_fail_clearly(patch, message):
 def test_missing_config_file(tmp_path):
   with pytest.raises(FileNotFoundError, match="config.json"):
     ModelConfig.from_hf_config(tmp_path)
+
+
+def test_live_bound_reads_only_the_first_slots_and_matches_the_whole_cache(model):
+  tokens, valid = _batch([10, 7, 9], seed=7)
+  full = np.asarray(_forward(model, tokens, valid))
+  cache = KVCache.init(TINY, batch_size=3, max_len=32)
+  bounded = cache.with_live(12)
+  assert bounded.view_len == 12 and cache.view_len == 32
+  logits, bounded = _extend(model, tokens[:, :6], jnp.array([6, 6, 6]), bounded)
+  logits, bounded = _extend(model, tokens[:, 6:10], jnp.array([4, 1, 3]), bounded)
+  assert bounded.live == 12  # the bound travels with the cache through the forward
+  np.testing.assert_allclose(logits[0], full[0, 6:10], atol=1e-4)
+  np.testing.assert_allclose(logits[1, :1], full[1, 6:7], atol=1e-4)
+  # What lies past the bound is never read: garbage there changes nothing.
+  poisoned = bounded.replace(k=tuple(k.at[..., 12:].set(1e4) for k in bounded.k),
+                             v=tuple(v.at[:, :, 12:].set(1e4) for v in bounded.v))
+  step = jnp.asarray(np.asarray(tokens)[:, 9:10])
+  a = _extend(model, step, jnp.array([0, 1, 1]), bounded)[0]
+  b = _extend(model, step, jnp.array([0, 1, 1]), poisoned)[0]
+  np.testing.assert_array_equal(a, b)
+  with pytest.raises(ValueError, match="outside 1..32"):
+    cache.with_live(33)

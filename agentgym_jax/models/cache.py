@@ -9,6 +9,10 @@ reducing the 16-128 elements of each key on XLA:CPU (B 32, S 1024, head_dim 16).
 
 Rows fill independently: `lengths[b]` is how many slots of row b hold real tokens, so episodes
 whose turns differ in length share one batch.
+
+Attention reads the first `live` slots only (a static bound the caller sets from the longest
+row it is about to reach, see `with_live`): decoding a small model is bound by reading the
+cache, so rows of 300 tokens in a cache of 4096 slots should read 512 of them, not 4096.
 """
 
 from __future__ import annotations
@@ -36,11 +40,14 @@ class KVCache:
     k: tuple of num_layers arrays [B, num_kv_heads, head_dim, S] (RoPE applied).
     v: tuple of num_layers arrays [B, num_kv_heads, S, head_dim].
     lengths: [B] int32, slots 0..lengths[b]-1 of row b hold real tokens.
+    live: static; attention reads slots 0..live-1 only (0: all S). Every row must stay
+      within it: lengths[b] plus what the next calls append <= live.
   """
 
   k: tuple[jax.Array, ...]
   v: tuple[jax.Array, ...]
   lengths: jax.Array
+  live: int = struct.field(pytree_node=False, default=0)
 
   @classmethod
   def init(cls, cfg: ModelConfig, batch_size: int, max_len: int,
@@ -60,6 +67,17 @@ class KVCache:
   def max_len(self) -> int:
     """Slots per row (S)."""
     return self.v[0].shape[2]
+
+  @property
+  def view_len(self) -> int:
+    """Slots attention reads (the `live` bound, or all S)."""
+    return self.live or self.max_len
+
+  def with_live(self, live: int) -> KVCache:
+    """The same buffers, attention bounded to the first `live` slots (1..S)."""
+    if not 0 < live <= self.max_len:
+      raise ValueError(f"live={live} slots is outside 1..{self.max_len}, the cache's length.")
+    return self.replace(live=live)
 
   def grow(self, max_len: int) -> KVCache:
     """The same cache with `max_len` slots per row (a copy; zero-padded)."""
@@ -85,7 +103,7 @@ class KVCache:
     spec = lambda names, x: NamedSharding(mesh, sharding.logical_to_spec(names, x.shape, mesh))
     return KVCache(k=tuple(spec(_K_AXES, x) for x in self.k),
                    v=tuple(spec(_V_AXES, x) for x in self.v),
-                   lengths=spec(("batch",), self.lengths))
+                   lengths=spec(("batch",), self.lengths), live=self.live)
 
 
 @functools.partial(jax.jit, static_argnames=("max_len",))
@@ -94,4 +112,4 @@ def _grow(cache: KVCache, max_len: int) -> KVCache:
   pad_k = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, extra)))
   pad_v = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0)))
   return KVCache(k=tuple(map(pad_k, cache.k)), v=tuple(map(pad_v, cache.v)),
-                 lengths=cache.lengths)
+                 lengths=cache.lengths, live=cache.live)

@@ -248,18 +248,21 @@ class Backbone(nnx.Module):
     starts = cache.lengths
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(self.cfg, positions)
-    mask = jnp.arange(cache.max_len)[None, None, :] <= positions[:, :, None]
+    view = cache.view_len  # slots past the longest row's reach hold nothing to attend to
+    mask = jnp.arange(view)[None, None, :] <= positions[:, :, None]
     x = sharding.constrain(self._embed(tokens), _ACTIVATION)
     ks, vs = [], []
     for i, block in enumerate(self.layers):
       q, k, v = block.project_qkv(x, cos, sin)
       k_buf, v_buf = cache.write(i, k, v, starts)
-      out = cached_attention(q, k_buf.astype(q.dtype), v_buf.astype(q.dtype), mask)
+      out = cached_attention(q, k_buf[..., :view].astype(q.dtype),
+                             v_buf[:, :, :view].astype(q.dtype), mask)
       x = sharding.constrain(block.finish(x, out), _ACTIVATION)
       ks.append(k_buf)
       vs.append(v_buf)
     lengths = starts + num_new.astype(jnp.int32)
-    return self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs), lengths=lengths)
+    return self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs), lengths=lengths,
+                                       live=cache.live)
 
 
 class Decoder(nnx.Module):

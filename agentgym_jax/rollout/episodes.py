@@ -167,9 +167,14 @@ class _Batch:
     return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
   def _fit(self, reach: int) -> None:
-    """Grows the cache to the bucket that holds `reach` tokens per row."""
-    if reach > self.cache.max_len:
-      self.cache = self._put(self.cache.grow(sampler.cache_bucket(reach, self.limit)))
+    """Makes the cache hold `reach` tokens per row: a grown cache grows to the bucket that
+    holds them, and attention reads that bucket's slots only (a cache of `limit` slots
+    compiles once per bucket instead of reading every slot at every step)."""
+    bucket = sampler.cache_bucket(reach, self.limit)
+    if bucket > self.cache.max_len:
+      self.cache = self._put(self.cache.grow(bucket))
+    if bucket != self.cache.view_len:
+      self.cache = self.cache.with_live(bucket)
 
   def extend(self, chunks: list[list[int]], starts: np.ndarray, max_chunk: int, pad_id: int
              ) -> None:
