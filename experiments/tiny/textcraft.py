@@ -9,7 +9,9 @@ the right "get"/"craft" commands from the listed crafting commands in the right 
       --config=experiments/tiny/textcraft.py:stage=rl,algo=grpo,init=/tmp/tiny/textcraft/bc \
       --workdir=/tmp/tiny/textcraft/grpo
 
-Expected: not measured yet; the study (experiments/tiny/README.md) has run BabyAI only.
+Expected (seed 0, experiments/tiny/README.md): greedy held-out success 0.0% after the 32 BC
+steps and after 48 more (`stage=bc_more --config.total_steps=48`): the policy writes the action
+format and the goal's name, not the listed ingredients, so RL from it has no signal.
 """
 
 from experiments.tiny import common
