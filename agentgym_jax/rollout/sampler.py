@@ -14,10 +14,10 @@ sampler adds sampling and stopping, no attention or cache code of its own.
 
 Static shapes: the caller splits chunks into bucketed lengths T (`chunk_pieces`) and the cache
 length (`cache_bucket`: powers of two from 256, `KVCache.grow` pads the cache to the next
-one when the rows need it), so a run compiles each program a handful of times. The cache
-grows instead of being allocated at the context limit because decoding a small model is bound
-by reading the cache: rows holding 300 tokens should not read a 4096-slot buffer at every
-step.
+one when the rows need it; a cache allocated at the context limit is bounded to that bucket
+instead, `KVCache.with_live`), so a run compiles each program a handful of times. Decoding a
+small model is bound by reading the cache: rows holding 300 tokens should not read a 4096-slot
+buffer at every step.
 
 Both donate the cache, so XLA updates it in place.
 
