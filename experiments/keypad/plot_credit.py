@@ -5,8 +5,8 @@ r"""Table and curves of the turn-level credit study (experiments/keypad/credit.p
 reads ROOT/<algo>_s<seed>/metrics.jsonl for every run there, prints the markdown table of
 experiments/keypad/README.md (per estimator, over its seeds: training success at step 1, the
 first step whose training success reaches 0.9, the mean of the last 5 steps, held-out success
-after the last step, sampled as credit.py evaluates) and writes credit_curves.png (training and held-out success vs
-step, the seeds' mean as a thick line and each seed as a thin one).
+after the last step, sampled as credit.py evaluates) and writes credit_curves.png (training
+and held-out success vs step, the seeds' mean as a thick line and each seed as a thin one).
 """
 
 from __future__ import annotations
