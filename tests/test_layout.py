@@ -50,3 +50,21 @@ def test_the_door_checks_config_env_and_names_the_served_env():
   c.env.name = "minecraft"
   with pytest.raises(ValueError, match="Unknown environment config.env.name='minecraft'"):
     envs.check(c)
+
+
+def test_env_categories_keep_each_split_to_the_named_categories():
+  import pytest
+  from agentgym_jax.rollout import envs
+  from agentgym_jax.train import config as base
+  c = base.base_config()
+  c.env.name = "textcraft"
+  c.env.categories = ("depth1",)
+  splits = envs.task_splits(c)
+  # TextCraft's split file: 94 of the 374 train goals and 31 of the 100 test goals are depth 1.
+  assert (len(splits["train"]), len(splits["test"])) == (94, 31)
+  import environments
+  env = environments.make("textcraft")
+  assert {env.reset(options={"task_id": t})[1]["category"] for t in splits["test"]} == {"depth1"}
+  c.env.categories = ("depth9",)
+  with pytest.raises(ValueError, match=r"names \['depth9'\].*known: \['depth1', 'depth2'"):
+    envs.task_splits(c)

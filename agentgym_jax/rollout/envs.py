@@ -42,8 +42,19 @@ def check(config: ml_collections.ConfigDict) -> None:
 
 
 def task_splits(config: ml_collections.ConfigDict) -> dict[str, list[int]]:
-  """The task-id splits of `config.env` (a remote env's: those of the environment it serves)."""
-  return environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
+  """The task-id splits of `config.env` (a remote env's: those of the environment it serves),
+  each kept to the tasks of `config.env.categories` when it names any."""
+  env_name = config.env.kwargs.get("env_name")
+  splits = environments.task_splits(config.env.name, env_name)
+  wanted = set(config.env.categories)
+  if not wanted:
+    return splits
+  categories = environments.task_categories(config.env.name, env_name)
+  known = set(categories.values())
+  if not wanted <= known:
+    raise ValueError(f"config.env.categories names {sorted(wanted - known)}, which "
+                     f"{served_name(config)}'s split file does not list; known: {sorted(known)}.")
+  return {split: [t for t in ids if categories.get(t) in wanted] for split, ids in splits.items()}
 
 
 def make_pool(config: ml_collections.ConfigDict) -> EnvPool:

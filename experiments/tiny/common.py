@@ -49,6 +49,7 @@ class EnvSetting:
   bc_more_steps: int  # stage=bc_more: a second BC cycle from the first one's checkpoint.
   rl_steps: int
   bc_noise: float  # probability that a demonstrated action is a random valid one.
+  categories: tuple[str, ...] = ()  # the task categories studied (config.env.categories).
 
 
 def parse(arg: str | None) -> ml_collections.ConfigDict:
@@ -77,6 +78,7 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
 
   c.env.name = s.env
   c.env.kwargs = ml_collections.ConfigDict(s.env_kwargs)
+  c.env.categories = s.categories
   c.rollout.max_reply_tokens = s.max_reply_tokens
   c.rollout.max_context = s.max_context
   # The main runs' turn limit, which held-out evaluation also uses (the rest of evaluation is
