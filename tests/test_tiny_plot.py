@@ -38,3 +38,18 @@ def test_tables_and_curves_from_metrics(tmp_path):
   assert "| GRPO | 2 | 50.0 (62.5, 37.5) | 37.5 (50.0, 25.0) | 75.0 (87.5, 62.5) |" in (
       result.stdout)
   assert (out / "babyai_curves.png").stat().st_size > 10_000
+
+
+def test_envs_flag_draws_only_the_named_environments(tmp_path):
+  root, out = tmp_path / "runs", tmp_path / "out"
+  out.mkdir()
+  for env in ("babyai", "textcraft"):
+    _write(root / env / "grpo", [{"step": 0, "eval/success_rate": 0.0},
+                                 {"step": 1, "time/step": 6.0, "episodes/success_rate": 0.5,
+                                  "eval/success_rate": 0.5}])
+  result = subprocess.run([sys.executable, "experiments/tiny/plot.py", f"--root={root}",
+                           f"--out={out}", "--envs=textcraft"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  assert "**textcraft**" in result.stdout and "**babyai**" not in result.stdout
+  assert sorted(os.listdir(out)) == ["textcraft_curves.png"]

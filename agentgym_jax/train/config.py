@@ -131,9 +131,10 @@ def base_config() -> ml_collections.ConfigDict:
   # env.name "remote" on several hosts: one env-service URL per host; process i uses
   # urls[i % len(urls)] as its env.kwargs.url (launch/env_server.sh starts the services).
   c.env.urls = ()
-  # Task categories to keep (the split file's, as reset reports them in info["category"], e.g.
-  # TextCraft's "depth1"); every split, training, demonstrations and evaluation alike, keeps
-  # only its tasks of these categories. Empty: every task.
+  # Task categories to keep, as the environment's split file lists them for its default
+  # constructor arguments (TextCraft's "depth1"-"depth4", SciWorld's task types, SearchQA's
+  # sources); every split, so training, demonstrations and evaluation alike, keeps only its
+  # tasks of these categories. Empty: every task.
   c.env.categories = ()
   # Environment worker processes in the pool.
   c.env.num_workers = 2

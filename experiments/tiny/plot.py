@@ -2,13 +2,13 @@ r"""Tables and curves of the tiny-model study from its runs' metrics.jsonl files
 
   python experiments/tiny/plot.py --root=/tmp/tiny --out=experiments/tiny
 
-reads ROOT/<env>/<run>/metrics.jsonl for every run that exists (bc, bc_more, grpo, ppo,
-reinforce_pp, rloo, gigpo, gigpo_mean_norm, turn_ppo, grpo_kl, gigpo_kl, grpo_bc_more,
+reads ROOT/<env>/<run>/metrics.jsonl for every run that exists (bc, bc_more, bc_third, grpo,
+ppo, reinforce_pp, rloo, gigpo, gigpo_mean_norm, turn_ppo, grpo_kl, gigpo_kl, grpo_bc_more,
 ppo_bc_more, the horizon runs h_short, h_long, h_scaling_inter, and seed repeats
 <run>_s<seed>), then writes <env>_curves.png (held-out and training success vs step, one line
-per run),
-horizon_curves.png, and prints the markdown tables of experiments/tiny/README.md (the sampled
-one from each run's eval_avg4/ report).
+per run) and horizon_curves.png, and prints the markdown tables of experiments/tiny/README.md
+(the sampled one from each run's eval_avg4/ report). `--envs=textcraft` draws only the
+environments named.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 
-BC_RUNS = ("bc", "bc_more")
+BC_RUNS = ("bc", "bc_more", "bc_third")
 ALGO_RUNS = ("grpo", "ppo", "reinforce_pp", "rloo", "gigpo", "gigpo_mean_norm", "turn_ppo",
              "grpo_kl", "gigpo_kl", "grpo_bc_more", "ppo_bc_more")
 HORIZON_RUNS = ("h_short", "h_long", "h_scaling_inter")
 SAMPLED_REPORT = os.path.join("eval_avg4", "eval_test.json")
-LABELS = {"bc": "BC (noisy expert)", "bc_more": "BC, second cycle (from BC)", "grpo": "GRPO",
+LABELS = {"bc": "BC (noisy expert)", "bc_more": "BC, second cycle (from BC)",
+          "bc_third": "BC, third cycle (from the second)", "grpo": "GRPO",
           "ppo": "PPO (GAE + critic)", "reinforce_pp": "REINFORCE++", "rloo": "RLOO",
           "gigpo": "GiGPO (mean_std_norm, γ 0.9)", "gigpo_mean_norm": "GiGPO (mean_norm, γ 0.95)",
           "turn_ppo": "PPO, turn-level GAE", "grpo_kl": "GRPO, KL 0.1 to BC",
@@ -137,8 +138,10 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--root", default="/tmp/tiny")
   parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+  parser.add_argument("--envs", default="",
+                      help="comma-separated environments to draw (default: all under ROOT)")
   args = parser.parse_args()
-  for env in sorted(os.listdir(args.root)):
+  for env in args.envs.split(",") if args.envs else sorted(os.listdir(args.root)):
     env_dir = os.path.join(args.root, env)
     if not os.path.isdir(env_dir):
       continue

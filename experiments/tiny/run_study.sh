@@ -38,32 +38,42 @@ sample() {  # sample ENV RUN: held-out success at temperature 1, 4 samples per t
 
 for part in "${parts[@]}"; do
   case "${part}" in
-    babyai | textcraft)
-      mkdir -p "${root}/${part}"
-      train "${part}" bc "stage=bc"
-      train "${part}" bc_more "stage=bc_more,init=${root}/${part}/bc"
-      algos=(grpo ppo)
-      [[ "${part}" == babyai ]] && algos+=(reinforce_pp rloo gigpo turn_ppo)
+    babyai)
+      mkdir -p "${root}/babyai"
+      train babyai bc "stage=bc"
+      train babyai bc_more "stage=bc_more,init=${root}/babyai/bc"
+      algos=(grpo ppo reinforce_pp rloo gigpo turn_ppo)
       for algo in "${algos[@]}"; do
-        train "${part}" "${algo}" "stage=rl,algo=${algo},init=${root}/${part}/bc"
+        train babyai "${algo}" "stage=rl,algo=${algo},init=${root}/babyai/bc"
       done
-      if [[ "${part}" == babyai ]]; then  # GiGPO as verl-agent's ALFWorld runs set it
-        train babyai gigpo_mean_norm "stage=rl,algo=gigpo,init=${root}/babyai/bc" \
-            --config.algo.step_norm=mean_norm --config.algo.gamma=0.95
-        for algo in grpo gigpo; do  # with a KL term to the BC policy
-          train babyai "${algo}_kl" "stage=rl,algo=${algo},init=${root}/babyai/bc" \
-              --config.algo.kl_coef=0.1
-        done
-        algos+=(gigpo_mean_norm grpo_kl gigpo_kl)
-      fi
-      # From the sharper second-cycle BC policy, at the smaller step size it needs.
+      # GiGPO as verl-agent's ALFWorld runs set it.
+      train babyai gigpo_mean_norm "stage=rl,algo=gigpo,init=${root}/babyai/bc" \
+          --config.algo.step_norm=mean_norm --config.algo.gamma=0.95
+      for algo in grpo gigpo; do  # with a KL term to the BC policy
+        train babyai "${algo}_kl" "stage=rl,algo=${algo},init=${root}/babyai/bc" \
+            --config.algo.kl_coef=0.1
+      done
+      # From the sharper second-cycle BC policy, for more steps.
       for algo in grpo ppo; do
-        train "${part}" "${algo}_bc_more" "stage=rl,algo=${algo},init=${root}/${part}/bc_more" \
-            --config.optim.lr=3e-4 --config.optim.critic_lr=1e-3 --config.total_steps=30 \
-            --config.eval.every_steps=6 --config.checkpoint.every_steps=7
+        train babyai "${algo}_bc_more" "stage=rl,algo=${algo},init=${root}/babyai/bc_more" \
+            --config.total_steps=30 --config.eval.every_steps=6 --config.checkpoint.every_steps=7
       done
-      for run in bc bc_more "${algos[@]}" grpo_bc_more ppo_bc_more; do
-        sample "${part}" "${run}"
+      for run in bc bc_more "${algos[@]}" gigpo_mean_norm grpo_kl gigpo_kl grpo_bc_more \
+          ppo_bc_more; do
+        sample babyai "${run}"
+      done ;;
+    textcraft)  # RL starts from the second BC cycle: the first one's policy has no success
+      mkdir -p "${root}/textcraft"
+      train textcraft bc "stage=bc"
+      train textcraft bc_more "stage=bc_more,init=${root}/textcraft/bc"
+      for algo in grpo ppo; do
+        train textcraft "${algo}" "stage=rl,algo=${algo},init=${root}/textcraft/bc_more"
+      done
+      # A third cycle: memorises the train goals without reading new ones (README).
+      train textcraft bc_third "stage=bc_more,init=${root}/textcraft/bc_more" \
+          --config.total_steps=128
+      for run in bc_more bc_third grpo ppo; do
+        sample textcraft "${run}"
       done ;;
     horizon)
       for horizon in short long scaling_inter; do

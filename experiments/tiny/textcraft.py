@@ -19,7 +19,7 @@ from agentgym_jax.train import config as base
 
 SETTING = common.EnvSetting(
     env="textcraft", env_kwargs={}, turns=6, short=3, long=10, max_reply_tokens=40,
-    max_context=2048, bc_steps=64, bc_more_steps=32, rl_steps=20, bc_noise=0.3,
+    max_context=2048, bc_steps=64, bc_more_steps=64, rl_steps=20, bc_noise=0.3,
     categories=("depth1",))
 
 
