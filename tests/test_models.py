@@ -151,17 +151,20 @@ def test_kv_cache_init_grow_and_donation(model):
   _, new = step(state, jnp.ones((3, 2), jnp.int32), jnp.array([2, 1, 0]), cache)
   np.testing.assert_array_equal(new.lengths, [2, 1, 0])
   assert new.k[0].dtype == jnp.bfloat16
-  # A grown cache holds the same tokens and continues exactly as a cache that was never small.
+  # A grown cache holds the same tokens and continues as a cache that was never small. The two
+  # sizes are two compiled programs, which XLA may fuse differently on some CPUs: equal to
+  # float32 rounding, not bit for bit (seen: 9e-7 on an AMD EPYC).
   tokens, _ = _batch([9, 9, 9], seed=6)
   small = _extend(model, tokens[:, :5], jnp.array([5, 3, 0]), KVCache.init(TINY, 3, 8))[1]
   large = _extend(model, tokens[:, :5], jnp.array([5, 3, 0]), KVCache.init(TINY, 3, 16))[1]
   grown = small.grow(16)
   assert grown.max_len == 16
+  np.testing.assert_array_equal(grown.lengths, large.lengths)
   for a, b in zip(grown.k + grown.v, large.k + large.v):
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   after_grown = _extend(model, tokens[:, 5:9], jnp.array([4, 4, 4]), grown)[0]
   after_large = _extend(model, tokens[:, 5:9], jnp.array([4, 4, 4]), large)[0]
-  np.testing.assert_array_equal(after_grown, after_large)
+  np.testing.assert_allclose(after_grown, after_large, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("t", [1, 24, 96])
