@@ -74,6 +74,14 @@ for part in "${parts[@]}"; do
           --config.total_steps=128
       for run in bc_more bc_third grpo ppo; do
         sample textcraft "${run}"
+      done
+      for run in bc_more bc_third; do  # greedy on the goals it cloned: memorised or read?
+        echo "=== textcraft/${run}: greedy success on the train split"
+        [[ -f "${root}/textcraft/${run}/eval_train/eval_train.md" ]] ||
+          "${python}" -m agentgym_jax.evaluate --config=experiments/tiny/textcraft.py:stage=bc \
+              --checkpoint="${root}/textcraft/${run}" --output="${root}/textcraft/${run}/eval_train" \
+              --split=train > "${root}/textcraft/${run}_train.log" 2>&1
+        grep -E "Avg@" "${root}/textcraft/${run}/eval_train/eval_train.md"
       done ;;
     horizon)
       for horizon in short long scaling_inter; do

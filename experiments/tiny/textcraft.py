@@ -8,10 +8,14 @@ goals of depths 1-4 for 80 steps and stayed at 0.0% held-out; experiments/tiny/R
   python -m agentgym_jax.train --config=experiments/tiny/textcraft.py:stage=bc \
       --workdir=/tmp/tiny/textcraft/bc
   python -m agentgym_jax.train \
-      --config=experiments/tiny/textcraft.py:stage=rl,algo=grpo,init=/tmp/tiny/textcraft/bc \
+      --config=experiments/tiny/textcraft.py:stage=bc_more,init=/tmp/tiny/textcraft/bc \
+      --workdir=/tmp/tiny/textcraft/bc_more
+  python -m agentgym_jax.train \
+      --config=experiments/tiny/textcraft.py:stage=rl,algo=grpo,init=/tmp/tiny/textcraft/bc_more \
       --workdir=/tmp/tiny/textcraft/grpo
 
-Expected (seed 0): experiments/tiny/README.md, section "Sixth round".
+Expected (seed 0, experiments/tiny/README.md, "Sixth round"): held-out greedy 0.0% after BC,
+3.2% after bc_more (55% of the train goals), 0.0% after 20 steps of GRPO or PPO from it.
 """
 
 from experiments.tiny import common
