@@ -160,6 +160,12 @@ def test_kv_cache_init_grow_and_donation(model):
   grown = small.grow(16)
   assert grown.max_len == 16
   np.testing.assert_array_equal(grown.lengths, large.lengths)
+  for a, b in zip(grown.k, small.k):  # growing copies the small cache exactly, zero-padded
+    np.testing.assert_array_equal(a[..., :8], b)
+    np.testing.assert_array_equal(a[..., 8:], 0)
+  for a, b in zip(grown.v, small.v):
+    np.testing.assert_array_equal(a[:, :, :8], b)
+    np.testing.assert_array_equal(a[:, :, 8:], 0)
   for a, b in zip(grown.k + grown.v, large.k + large.v):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   after_grown = _extend(model, tokens[:, 5:9], jnp.array([4, 4, 4]), grown)[0]

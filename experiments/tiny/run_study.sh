@@ -26,14 +26,19 @@ train() {  # train ENV RUN CONFIG_ARGS [--config.x=y ...]
   grep -E "^(eval at|Held-out)" "${root}/${env}/${run}.log" || true  # none: already complete
 }
 
-sample() {  # sample ENV RUN: held-out success at temperature 1, 4 samples per test task
-  local env="$1" run="$2"
-  echo "=== ${env}/${run}: Avg@4 / Pass@4 at temperature 1"
-  [[ -f "${root}/${env}/${run}/eval_avg4/eval_test.md" ]] ||
+evaluate() {  # evaluate ENV RUN NAME SPLIT [FLAG...]: RUN's checkpoint on SPLIT into RUN/NAME/
+  local env="$1" run="$2" name="$3" split="$4"
+  shift 4
+  echo "=== ${env}/${run}: ${name} (${split} split) $*"
+  [[ -f "${root}/${env}/${run}/${name}/eval_${split}.md" ]] ||
     "${python}" -m agentgym_jax.evaluate --config="experiments/tiny/${env}.py:stage=bc" \
-        --checkpoint="${root}/${env}/${run}" --output="${root}/${env}/${run}/eval_avg4" \
-        --num_samples=4 --temperature=1.0 > "${root}/${env}/${run}_avg4.log" 2>&1
-  grep -E "Pass@|Avg@" "${root}/${env}/${run}/eval_avg4/eval_test.md"
+        --checkpoint="${root}/${env}/${run}" --output="${root}/${env}/${run}/${name}" \
+        --split="${split}" "$@" > "${root}/${env}/${run}_${name}.log" 2>&1
+  grep -E "Pass@|Avg@" "${root}/${env}/${run}/${name}/eval_${split}.md"
+}
+
+sample() {  # sample ENV RUN: held-out success at temperature 1, 4 samples per test task
+  evaluate "$1" "$2" eval_avg4 test --num_samples=4 --temperature=1.0
 }
 
 for part in "${parts[@]}"; do
@@ -76,12 +81,7 @@ for part in "${parts[@]}"; do
         sample textcraft "${run}"
       done
       for run in bc_more bc_third; do  # greedy on the goals it cloned: memorised or read?
-        echo "=== textcraft/${run}: greedy success on the train split"
-        [[ -f "${root}/textcraft/${run}/eval_train/eval_train.md" ]] ||
-          "${python}" -m agentgym_jax.evaluate --config=experiments/tiny/textcraft.py:stage=bc \
-              --checkpoint="${root}/textcraft/${run}" --output="${root}/textcraft/${run}/eval_train" \
-              --split=train > "${root}/textcraft/${run}_train.log" 2>&1
-        grep -E "Avg@" "${root}/textcraft/${run}/eval_train/eval_train.md"
+        evaluate textcraft "${run}" eval_train train
       done ;;
     horizon)
       for horizon in short long scaling_inter; do
