@@ -99,11 +99,13 @@ def test_replies_and_refusals():
       "drop": "You cannot drop the object, as you are not carrying anything.",
   }
   for action, expected in replies.items():
-    observation, reward, terminated, _, _ = env.step(action)
+    observation, reward, terminated, _, info = env.step(action)
     assert observation.startswith(expected) and observation.endswith("\n" + TURNED_ACTIONS)
     assert (reward, terminated) == (0.0, False)
+    assert info["invalid_action"] is ("check" not in action.lower()), action
   assert env.env.step_count == 1  # refusals cost no minigrid step
-  observation, *_ = env.step("  Pickup Yellow Key 1 ")  # lower-cased and stripped
+  observation, _, _, _, info = env.step("  Pickup Yellow Key 1 ")  # lower-cased and stripped
+  assert info["invalid_action"] is False
   assert observation.startswith("In front of you") and "You are carrying a yellow key." in (
       observation)
   assert '"drop"' in observation and "pickup" not in observation.split("\n")[-1]

@@ -100,6 +100,7 @@ def test_replies(env):
     observation, reward, terminated, truncated, info = env.step(action)
     assert (observation, reward, terminated, truncated) == (expected, 0.0, False, False), action
     assert info["success"] is False
+    assert info["invalid_action"] is expected.startswith(("Could not", "Wrong")), action
   observation, reward, terminated, _, info = env.step("craft 1 birch boat using 5 birch planks")
   assert (observation, reward, terminated) == ("Crafted 1 minecraft:birch_boat", 1.0, True)
   assert info["success"] and info["score"] == 1.0

@@ -275,6 +275,35 @@ def test_stop_rules_and_rewards(tok, model):
   assert traj.tokens.shape[1] in (64, 96, 128, 192, 256, 384, 512)
 
 
+class RefusingPool(FakePool):
+  """FakePool whose environment refuses the action of every first and third turn."""
+
+  def step(self, slots, responses):
+    return [StepOutcome(o.observation, o.reward, o.terminated, o.truncated,
+                        dict(o.info, invalid_action=self.turns[s] in (1, 3)))
+            for o, s in zip(super().step(slots, responses), slots)]
+
+
+def test_invalid_action_reward_shapes_the_refused_turns_only(tok, model):
+  graphdef, state = nnx.split(model)
+  # Task 1 terminates on turn 2 (reward 0.5), task 3 is cut at turn 3 (reward 0.03 so far).
+  traj, stats = run_episodes(graphdef, state, tok, RefusingPool(), [1, 3], group_size=1,
+                             max_turns=3, sampling=SAMPLING, max_context=1024, rng=0,
+                             invalid_action_reward=-0.1)
+  mask, turn_index = np.asarray(traj.loss_mask), np.asarray(traj.turn_index)
+  expected_turns = [[0.01 - 0.1, 0.49], [0.01 - 0.1, 0.01, 0.01 - 0.1]]
+  for row, expected in enumerate(expected_turns):
+    ends = [np.flatnonzero(mask[row] & (turn_index[row] == t))[-1] for t in range(len(expected))]
+    assert np.asarray(traj.turn_rewards[row])[ends] == pytest.approx(expected)
+    assert np.asarray(traj.rewards[row]).sum() == pytest.approx(sum(expected))
+  assert [e.invalid_actions for e in stats["episodes"]] == [1, 2]
+  assert traj.success.tolist() == [True, False]  # the environment's, unshaped
+  assert traj.score.tolist() == pytest.approx([5.0, 0.3])
+  from agentgym_jax.train import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
+  counted = metrics_lib.episode_metrics(jax.device_get(traj), stats["episodes"])
+  assert counted["episodes/invalid_action_rate"] == pytest.approx(3 / 5)
+
+
 class KeyedPool(FakePool):
   """FakePool whose states have keys that its words do not tell apart: every task starts in
   state "start", and after turn k every episode of task t is in state "t-k" (t odd) or "any-k"

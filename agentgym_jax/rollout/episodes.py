@@ -268,8 +268,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
                  acknowledgement: str | None = None, max_chunk: int = 512,
                  compact: bool = True, grow_cache: bool = True, cache_dtype=jnp.float32,
                  replicas: int = 1, rows: Sequence[int] | None = None,
-                 on_ended: Callable[[int], None] | None = None, history_turns: int = 0
-                 ) -> tuple[Trajectory, dict[str, Any]]:
+                 on_ended: Callable[[int], None] | None = None, history_turns: int = 0,
+                 invalid_action_reward: float = 0.0) -> tuple[Trajectory, dict[str, Any]]:
   """Runs len(task_ids) * group_size episodes to the end and returns them as a Trajectory.
 
   Args:
@@ -303,6 +303,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
       that ended there (e.g. a progress bar's `update`).
     history_turns: k, the turns a turn's context keeps after the opening (rollout/window.py);
       0 keeps them all. The trajectory still holds each episode whole.
+    invalid_action_reward: added to the reward of each turn whose action the environment
+      refused (`info["invalid_action"]`); success and score are the environment's.
 
   Returns:
     The Trajectory [B, L] (B = len(task_ids) * group_size) and stats: rollout throughput, plus
@@ -432,7 +434,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
 
     for ep, out in zip(slots, outcomes):
       e = episodes[ep]
-      e.record_step(out.reward, out.info)
+      e.record_step(out.reward, out.info, invalid_action_reward)
       e.messages.append({"role": "user", "content": out.observation})
       e.actions.append(out.info.get("action"))
       if "error" in out.info:

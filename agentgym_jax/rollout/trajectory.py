@@ -111,6 +111,7 @@ class Episode:
   anchors: list[int] = dataclasses.field(default_factory=list)
   category: str | None = None
   num_turns: int = 0
+  invalid_actions: int = 0  # turns whose action the environment refused (info["invalid_action"])
   reward: float = 0.0
   success: bool = False
   score: float = 0.0
@@ -141,15 +142,19 @@ class Episode:
     self.terminated = terminated
     self.truncated = truncated
 
-  def record_step(self, reward: float, info: dict[str, Any]) -> None:
+  def record_step(self, reward: float, info: dict[str, Any],
+                  invalid_action_reward: float = 0.0) -> None:
     """Books an environment step's outcome on the turn just sampled.
 
     `reward` is the episode's reward so far (the environment contract); the turn's own reward
-    is what it added.
+    is what it added, plus `invalid_action_reward` if the environment refused the turn's
+    action (`info["invalid_action"]`). Success and score stay the environment's.
     """
     self.num_turns += 1
-    self.turn_rewards[-1] = float(reward) - self.reward
-    self.reward = float(reward)
+    self.invalid_actions += bool(info.get("invalid_action", False))
+    total = float(reward) + invalid_action_reward * self.invalid_actions
+    self.turn_rewards[-1] = total - self.reward
+    self.reward = total
     self.success = bool(info.get("success", False))
     self.score = float(info.get("score", reward))
 

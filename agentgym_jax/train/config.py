@@ -148,6 +148,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.env.max_failed_steps = 3
   # System message of every episode ("" = none).
   c.env.system_prompt = ""
+  # Reward added to each training turn whose action the environment refused (an action not
+  # available in the state, an unparsable reply: BabyAI and TextCraft report it as
+  # info["invalid_action"]). Negative values teach the policy which actions a state allows
+  # even when every sample of a task fails; success, and so evaluation, are unaffected.
+  c.env.invalid_action_reward = 0.0
 
   # ----- data --------------------------------------------------------------------------------
   c.data = ml_collections.ConfigDict()

@@ -85,7 +85,8 @@ def sample_batch(config: ml_collections.ConfigDict, policy_def: Any, params: Any
       policy_def, params, tok, pool, task_ids, group_size=config.data.group_size,
       max_turns=max_turns, sampling=sampling, max_context=config.rollout.max_context, rng=rng,
       system_prompt=config.env.system_prompt or None, mesh=mesh,
-      replicas=config.rollout.replicas, rows=rows, history_turns=config.rollout.history_turns)
+      replicas=config.rollout.replicas, rows=rows, history_turns=config.rollout.history_turns,
+      invalid_action_reward=config.env.invalid_action_reward)
 
 
 def check_batch_layout(config: ml_collections.ConfigDict, mesh: Mesh) -> None:

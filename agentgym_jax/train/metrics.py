@@ -44,14 +44,16 @@ def episode_metrics(traj: Any, episodes: Sequence[Any]) -> dict[str, float]:
     episodes/: count (the episodes of the batch: all of it, on several hosts too),
     failed_rate, stop_<reason> for each of STOP_REASONS; over the healthy episodes (0 when
     there is none): success_rate, reward_mean (Σ token rewards per row), score_mean (raw),
-    turns_mean, reply_tokens_mean (sampled tokens per agent turn), length_mean (tokens per
-    episode), truncated_rate, terminated_rate; batch/length (padded L).
+    turns_mean, reply_tokens_mean (sampled tokens per agent turn), invalid_action_rate (turns
+    whose action the environment refused, per turn), length_mean (tokens per episode),
+    truncated_rate, terminated_rate; batch/length (padded L).
   """
   healthy = ~np.asarray(traj.failed)
   loss_mask = np.asarray(traj.loss_mask)
   turns = np.asarray(traj.num_turns)
   reasons = collections.Counter(e.stop_reason for e in episodes)
   stops = {f"episodes/stop_{r}": reasons[r] / max(len(episodes), 1) for r in STOP_REASONS}
+  invalid = np.asarray([e.invalid_actions for e in episodes])
 
   def mean(x) -> float:
     return float(np.mean(np.asarray(x)[healthy])) if healthy.any() else 0.0
@@ -64,6 +66,7 @@ def episode_metrics(traj: Any, episodes: Sequence[Any]) -> dict[str, float]:
       "episodes/score_mean": mean(traj.score),
       "episodes/turns_mean": mean(turns),
       "episodes/reply_tokens_mean": float(loss_mask.sum() / max(turns[healthy].sum(), 1)),
+      "episodes/invalid_action_rate": float(invalid[healthy].sum() / max(turns[healthy].sum(), 1)),
       "episodes/length_mean": mean(np.sum(traj.valid, axis=1)),
       "episodes/truncated_rate": mean(traj.truncated),
       "episodes/terminated_rate": mean(traj.terminated),

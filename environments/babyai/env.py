@@ -147,15 +147,16 @@ class BabyAIEnv(ReActEnv):
   def _step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
     if action == MULTIPLE_ACTIONS:
       # AgentGym's client answers this without calling the server: nothing is scored.
-      return MULTIPLE_ACTIONS_OBSERVATION, 0.0, False, False, self._info()
+      return (MULTIPLE_ACTIONS_OBSERVATION, 0.0, False, False,
+              self._info() | {"invalid_action": True})
     action = action.lower().strip()
-    succeeded = terminated = False
+    succeeded = terminated = invalid = False
     if "check" in action:
       state = "You can take the following actions: " + ", ".join(self.view.actions)
     elif not action:
-      state = "No change in state."
+      state, invalid = "No change in state.", True
     elif action not in self.view.actions:
-      state = self.view.errors.get(action, _NOT_RECOGNIZED)
+      state, invalid = self.view.errors.get(action, _NOT_RECOGNIZED), True
     elif not self.view.actions[action]:
       state = "No change in state."
     else:
@@ -169,7 +170,8 @@ class BabyAIEnv(ReActEnv):
       reward = self._score
     else:
       reward = min(max(self._last_reward, 0.0), 1.0) if succeeded else 0.0
-    return f"{state}\n{self.view.actions_text()}", reward, terminated, False, self._info()
+    return (f"{state}\n{self.view.actions_text()}", reward, terminated, False,
+            self._info() | {"invalid_action": invalid})
 
   # AgentGym's BabyAI client: the single "Action:" line, reduced to [A-Za-z0-9, ].
   parse_action = staticmethod(parse_single_action)

@@ -124,13 +124,15 @@ class TextCraftEnv(ReActEnv):
 
   def _step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
     if action == MULTIPLE_ACTIONS:
-      return MULTIPLE_ACTIONS_OBSERVATION, 0.0, False, False, self._info(False)
+      return (MULTIPLE_ACTIONS_OBSERVATION, 0.0, False, False,
+              self._info(False) | {"invalid_action": True})
+    invalid = False
     try:
       observation, success = self._apply(action)
     except _ActionFailed as failure:
-      observation, success = str(failure), False
+      observation, success, invalid = str(failure), False, True
     reward = 1.0 if success else 0.0
-    return observation, reward, success, False, self._info(success)
+    return observation, reward, success, False, self._info(success) | {"invalid_action": invalid}
 
   # AgentGym's TextCraft client, as BabyAI's: the single "Action:" line, reduced to
   # [A-Za-z0-9, ].
