@@ -112,6 +112,24 @@ def test_bad_arguments_are_errors(env):
     module.get_config("model=70b")
 
 
+@pytest.mark.parametrize("env", ("babyai", "textcraft"))
+def test_tiny_study_evaluates_greedy_or_sampled(env):
+  module = load(f"experiments/tiny/{env}.py")
+  greedy = module.get_config("stage=rl,algo=ppo,init=/tmp/bc")
+  assert (greedy.eval.temperature, greedy.eval.group_size) == (0.0, 1)
+  sampled = module.get_config("stage=rl,algo=ppo,init=/tmp/bc,eval=sampled")
+  assert (sampled.eval.temperature, sampled.eval.group_size) == (1.0, 4)
+  assert sampled.eval.every_steps == sampled.total_steps // 2
+  # Nothing but the evaluation differs.
+  greedy.unlock()
+  greedy.eval.update(sampled.eval)
+  assert greedy.to_json_best_effort() == sampled.to_json_best_effort()
+  with pytest.raises(ValueError, match="is not one of"):
+    module.get_config("stage=rl,init=/tmp/bc,eval=beam")
+  with pytest.raises(ValueError, match="add init="):
+    module.get_config("stage=rl")
+
+
 # The shipped scripts' rows (agentgym-rl.md §3.2 / environments.md §1.4):
 # env, schedule -> (n, tasks per step, minibatches, ppo epochs, horizons, steps per phase,
 # tokens per turn, prompt + response tokens).

@@ -88,13 +88,12 @@ def test_bc_then_grpo_on_babyai(tmp_path, compile_cache):
   checkpoint raises held-out success per sample at temperature 1 (4 samples per test task,
   before the first RL step and after the last) by RL_GAIN."""
   bc, rl = str(tmp_path / "bc"), str(tmp_path / "grpo")
-  sampled = ["--config.eval.temperature=1.0", "--config.eval.group_size=4"]
-  for workdir, args, steps, extra in ((bc, "stage=bc", BC_STEPS, []),
-                                      (rl, f"stage=rl,algo=grpo,init={bc}", RL_STEPS, sampled)):
+  for workdir, args, steps in ((bc, "stage=bc", BC_STEPS),
+                               (rl, f"stage=rl,algo=grpo,init={bc},eval=sampled", RL_STEPS)):
     result = run_cli("agentgym_jax.train", [
         f"--config=experiments/tiny/babyai.py:{args}", f"--workdir={workdir}",
         "--config.log.progress_bar=False", "--config.checkpoint.export_hf=False",
-        f"--config.total_steps={steps}", f"--config.eval.every_steps={steps}"] + extra,
+        f"--config.total_steps={steps}", f"--config.eval.every_steps={steps}"],
         compile_cache, timeout=3600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Held-out success" in result.stdout

@@ -16,7 +16,8 @@ from the goal needs more training than this study's budget.)
       --config=experiments/tiny/babyai.py:stage=bc_more,init=/tmp/tiny/babyai/bc \
       --workdir=/tmp/tiny/babyai/bc_more
   # 2. RL from it, one run per algorithm (and horizon=short|long|scaling_inter for the
-  #    horizon study):
+  #    horizon study; eval=sampled evaluates at temperature 1, 4 samples per task, as
+  #    AgentGym-RL's scripts do, instead of greedily):
   python -m agentgym_jax.train \
       --config=experiments/tiny/babyai.py:stage=rl,algo=grpo,init=/tmp/tiny/babyai/bc \
       --workdir=/tmp/tiny/babyai/grpo
@@ -24,7 +25,8 @@ from the goal needs more training than this study's budget.)
 
 Expected (seed 0; experiments/tiny/README.md has every number): after the 24-step BC, greedy
 held-out success 76.7% and 8.3% per sample at temperature 1; GRPO from it 36.9% per sample
-(+28.6 points) while greedy success falls to 37.8%; PPO and RLOO alike.
+(+28.6 points) while greedy success falls to 37.8%; PPO and RLOO alike. With eval=sampled the
+GRPO run prints 0.081 -> 0.336 (seventh round).
 """
 
 from experiments.tiny import common

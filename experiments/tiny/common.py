@@ -13,6 +13,9 @@ Config arguments (`--config=experiments/tiny/<env>.py:k=v,...`):
             study) | "scaling_inter" (short -> long, ScalingInter-RL).
   init      the BC run's workdir (stage=bc_more and rl); the tokenizer comes from there too.
   seed      run seed (initialisation, task order, sampling).
+  eval      "greedy" (held-out success of greedy decoding, one episode per test task) |
+            "sampled" (as AgentGym-RL's evaluation scripts: temperature 1, here 4 samples per
+            test task, success per sample; evaluated at the start, midway and at the end).
   runlocal  two steps of everything, few tasks (the CLI smoke test).
 """
 
@@ -26,6 +29,7 @@ from agentgym_jax.rl.algorithm import ALGORITHMS
 from agentgym_jax.train import config as base
 
 HORIZONS = ("fixed", "short", "long", "scaling_inter")
+EVALS = ("greedy", "sampled")
 STAGES = ("bc", "bc_more", "rl")
 
 # A 4-layer decoder of width 128 (about 0.9M parameters): small enough that an RL step of 32
@@ -54,13 +58,15 @@ class EnvSetting:
 
 def parse(arg: str | None) -> ml_collections.ConfigDict:
   args = base.parse_arg(arg, stage="bc", algo="grpo", horizon="fixed", init="", seed=0,
-                        runlocal=False)
+                        eval="greedy", runlocal=False)
   if args.stage not in STAGES:
     raise ValueError(f"Config argument stage={args.stage!r} is not one of {list(STAGES)}.")
   if args.algo not in ALGORITHMS:
     raise ValueError(f"Config argument algo={args.algo!r} is not one of {list(ALGORITHMS)}.")
   if args.horizon not in HORIZONS:
     raise ValueError(f"Config argument horizon={args.horizon!r} is not one of {list(HORIZONS)}.")
+  if args.eval not in EVALS:
+    raise ValueError(f"Config argument eval={args.eval!r} is not one of {list(EVALS)}.")
   if args.stage != "bc" and not args.init and not args.runlocal:
     raise ValueError(f"stage={args.stage} starts from a BC run: add init=<the BC run's workdir>.")
   return args
@@ -143,6 +149,11 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
       c.schedule.kind = "scaling_inter"
       c.schedule.horizons = (s.short, (s.short + s.long) // 2, s.long)
       c.schedule.steps_per_phase = max(1, s.rl_steps // 3)
+
+  if args.eval == "sampled":
+    # 4 samples per task: 360 episodes on BabyAI, so three evaluations, not one every few steps.
+    c.eval.temperature, c.eval.group_size = 1.0, 4
+    c.eval.every_steps = max(1, c.total_steps // 2)
 
   if args.runlocal:
     c.update_from_flattened_dict(base.RUNLOCAL)
