@@ -10,7 +10,7 @@ from flax import nnx
 
 from agentgym_jax.models import Decoder, KVCache, ModelConfig, ValueModel
 from agentgym_jax.models.decoder import (RMSNorm, apply_rope, attention, cached_attention,
-                                         rope_tables)
+                                         causal_attention, rope_tables)
 
 TINY = ModelConfig(vocab_size=128, hidden_size=48, intermediate_size=80, num_layers=2,
                    num_heads=6, num_kv_heads=2, head_dim=8, qkv_bias=True, qk_norm=True,
@@ -185,6 +185,20 @@ def test_cached_attention_equals_attention(t):
   mask = jnp.arange(s)[None, None] <= positions[:, :, None]
   np.testing.assert_allclose(jax.jit(cached_attention)(q, k, v, mask),
                              jax.jit(attention)(q, k, v, mask), atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [3, 7, 64])
+def test_causal_attention_equals_attention(t):
+  """Query blocks that skip the keys above the diagonal compute plain causal attention."""
+  b, kh, g, dh = 3, 2, 2, 16
+  keys = jax.random.split(jax.random.key(t), 3)
+  q = jax.random.normal(keys[0], (b, t, kh, g, dh))
+  k = jax.random.normal(keys[1], (b, kh, dh, t))
+  v = jax.random.normal(keys[2], (b, kh, t, dh))
+  valid = jnp.arange(t)[None] < jnp.array([t, t - 1, 1])[:, None]
+  mask = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
+  np.testing.assert_allclose(jax.jit(causal_attention)(q, k, v, mask),
+                             jax.jit(attention)(q, k, v, mask), atol=1e-6)
 
 
 def test_bfloat16_params_give_float32_logits():

@@ -88,6 +88,30 @@ def test_token_logprobs_and_entropy_sit_on_the_scored_token():
                                                             log_p[b, t - 1]), rtol=1e-5)
 
 
+def test_token_logprobs_and_entropy_gradient_is_autodiff_of_log_softmax():
+  """The closed-form backward equals differentiating log-softmax, gather and entropy."""
+  rng = np.random.default_rng(1)
+  logits = jnp.asarray(3 * rng.normal(size=(2, 6, 11)), jnp.float32)
+  tokens = jnp.asarray(rng.integers(0, 11, (2, 6)), jnp.int32)
+  w_logp, w_entropy = (jnp.asarray(rng.normal(size=(2, 5)), jnp.float32) for _ in range(2))
+
+  def ours(x):  # [B, L - 1] scores of tokens 1..L-1
+    logp, entropy = update_lib.token_logprobs_and_entropy(x, tokens, 0.7)
+    return logp[:, 1:], entropy[:, 1:]
+
+  def reference(x):
+    log_p = jax.nn.log_softmax(x[:, :-1] / 0.7, axis=-1)
+    picked = jnp.take_along_axis(log_p, tokens[:, 1:, None], axis=-1)[..., 0]
+    return picked, -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
+
+  def loss(fn, x):
+    logp, entropy = fn(x)
+    return jnp.sum(w_logp * logp + w_entropy * entropy)
+
+  np.testing.assert_allclose(jax.grad(functools.partial(loss, ours))(logits),
+                             jax.grad(functools.partial(loss, reference))(logits), atol=1e-6)
+
+
 def test_split_micro_strides_rows_and_merge_inverts_it():
   x = jnp.arange(12).reshape(6, 2)
   micro = update_lib.split_micro(x, 3)

@@ -15,12 +15,19 @@ Every parameter carries logical axis names in its `out_sharding` metadata (`voca
 `qkv`, `heads`, `mlp`, `norm`, `head_dim`); `agentgym_jax.sharding` maps them to mesh axes.
 Layers are a Python loop (unrolled): scanning them cost about a quarter of the training
 throughput on CPU in the project's feasibility measurements.
+
+The full-sequence (training) forward takes its RoPE tables as host constants, normalises the
+softmax after the value matmul and skips the key blocks above the causal diagonal. With the
+one-pass log-prob and entropy of `train.update`, these made a 3M-parameter model's float32
+forward+backward 1.09x faster on XLA:CPU in one probe (2072 -> 2260 tokens/s; losses within
+5e-7, gradients within 1e-6 of the plain forms).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from agentgym_jax import sharding
@@ -67,16 +74,21 @@ class RMSNorm(nnx.Module):
     return self.scale[...] * h.astype(x.dtype)
 
 
-def rope_tables(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """cos, sin [B, T, head_dim] float32 for integer positions [B, T] (HF half-split layout)."""
-  inv_freq = jnp.asarray(cfg.inv_freq())
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq
-  angles = jnp.concatenate([angles, angles], axis=-1)
-  return jnp.cos(angles), jnp.sin(angles)
+def rope_tables(cfg: ModelConfig, positions: jax.Array | np.ndarray
+                ) -> tuple[jax.Array, jax.Array]:
+  """cos, sin [B, T, head_dim] float32 for integer positions [B, T] (HF half-split layout).
+
+  Numpy positions (known when tracing, as in the full forward) give numpy tables, which enter
+  the jitted program as constants instead of sin/cos recomputed inside its fusions.
+  """
+  xp = np if isinstance(positions, np.ndarray) else jnp
+  angles = positions.astype(np.float32)[..., None] * cfg.inv_freq()
+  angles = xp.concatenate([angles, angles], axis=-1)
+  return xp.cos(angles), xp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """Rotates x [B, T, ..., Dh] by position; cos/sin [B, T, Dh] (rotate_half convention)."""
+  """Rotates x [B, T, ..., Dh] by position; cos/sin [B or 1, T, Dh] (rotate_half convention)."""
   extra = x.ndim - cos.ndim
   cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[2:])
   sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[2:])
@@ -108,9 +120,33 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
   scores = jnp.einsum("bkqd,bkds->bkqs", rows, k, preferred_element_type=jnp.float32)
   mask = jnp.broadcast_to(mask[:, None, None], (b, 1, g, t, s)).reshape(b, 1, g * t, s)
   scores = jnp.where(mask, scores * (dh ** -0.5), _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, kh, g, t, dh)
+  # Softmax normalised after the value matmul: a divide per [.., Dh] output instead of per
+  # [.., S] score row, forward and backward. The max is a shift that cancels: no gradient.
+  weights = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
+  out = jnp.einsum("bkqs,bksd->bkqd", weights.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  out = (out / jnp.sum(weights, axis=-1, keepdims=True)).astype(v.dtype)
+  out = out.reshape(b, kh, g, t, dh)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kh * g * dh)
+
+
+# Query blocks of the full-sequence forward: block i scores the keys of blocks 0..i only, so
+# 4 blocks compute 10/16 of the [T, T] scores (the rest lie above the diagonal, all masked).
+_CAUSAL_BLOCKS = 4
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """`attention` of a chunk over its own keys (S = T) under a causal mask, in query blocks.
+
+  Same arguments and result as `attention`, but `mask` [B, T, T] must be False wherever s > t:
+  the keys past a query block's end are left out, not masked.
+  """
+  t = q.shape[1]
+  n = min(_CAUSAL_BLOCKS, t)
+  ends = [t * (i + 1) // n for i in range(n)]
+  outs = [attention(q[:, start:end], k[..., :end], v[:, :, :end], mask[:, start:end, :end])
+          for start, end in zip([0] + ends[:-1], ends)]
+  return jnp.concatenate(outs, axis=1)
 
 
 # Elements of one attention-score block: about 4 MB of float32 stays in cache. One [B, H, T, S]
@@ -198,9 +234,9 @@ class Block(nnx.Module):
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
                ) -> jax.Array:
-    """Self-attention over the chunk itself. x [B, T, D], mask [B, T, T] -> [B, T, D]."""
+    """Self-attention over the chunk itself. x [B, T, D], causal mask [B, T, T] -> [B, T, D]."""
     q, k, v = self.project_qkv(x, cos, sin)
-    out = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
+    out = causal_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
     return self.finish(x, out)
 
 
@@ -225,8 +261,8 @@ class Backbone(nnx.Module):
     Token t sits at position t; it attends to keys s <= t with valid[b, s].
     """
     t = tokens.shape[1]
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), tokens.shape)
-    cos, sin = rope_tables(self.cfg, positions)
+    # Static positions 0..T-1: RoPE tables become constants, not sin/cos inside the fusions.
+    cos, sin = rope_tables(self.cfg, np.arange(t, dtype=np.int32)[None])  # [1, T, Dh]
     causal = jnp.tril(jnp.ones((t, t), bool))
     mask = causal[None] & valid[:, None, :].astype(bool)
     x = sharding.constrain(self._embed(tokens), _ACTIVATION)

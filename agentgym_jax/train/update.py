@@ -135,17 +135,55 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.
 
 def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0
                                ) -> tuple[jax.Array, jax.Array]:
-  """`token_logprobs`, and the entropy of the distribution each token was drawn from, from one
-  log-softmax: [B, L, V] -> two [B, L].
+  """`token_logprobs`, and the entropy of the distribution each token was drawn from, in one
+  pass over the logits: [B, L, V] -> two [B, L].
 
-  The loss needs both; sharing the log-softmax saves passes over the [B, L, V] logits, which
-  dominate the memory traffic of a small model's update. The model's logits are finite, so
-  p log p needs no care for -inf logits (0 · log 0).
+  The loss needs both, and passes over the [B, L, V] logits dominate the memory traffic of a
+  small model's update; so both come from one logsumexp, with a closed-form gradient
+  (`_logprob_entropy`) instead of differentiating a log-softmax, a gather and an entropy pass
+  (with the decoder's float32 changes, a 1.09x faster 3M-model fwd+bwd: `models.decoder`).
   """
-  log_p = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32) / temperature, axis=-1)
-  picked = jnp.take_along_axis(log_p, tokens[:, 1:, None], axis=-1)[..., 0]
-  entropy = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
-  return _shift_right(picked), _shift_right(entropy)
+  logp, entropy = _logprob_entropy(logits[:, :-1], tokens[:, 1:], temperature)
+  return _shift_right(logp), _shift_right(entropy)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _logprob_entropy(logits: jax.Array, tokens: jax.Array, temperature: float
+                     ) -> tuple[jax.Array, jax.Array]:
+  """log p(token) and entropy H of p = softmax(logits / temperature): [..., V], [...] -> [...].
+
+  The model's logits are finite, so 0 · log 0 never arises.
+  """
+  return _logprob_entropy_fwd(logits, tokens, temperature)[0]
+
+
+def _logprob_entropy_fwd(logits, tokens, temperature):
+  x = logits.astype(jnp.float32) / temperature
+  # Shifted by the max (<= 0), so H = log Σ e - Σ e · shifted / Σ e loses no digits to
+  # cancelling two large terms.
+  top = jnp.max(x, axis=-1, keepdims=True)
+  shifted = x - top
+  e = jnp.exp(shifted)
+  total = jnp.sum(e, axis=-1)
+  log_total = jnp.log(total)
+  entropy = log_total - jnp.sum(e * shifted, axis=-1) / total
+  logp = jnp.take_along_axis(shifted, tokens[..., None], axis=-1)[..., 0] - log_total
+  return (logp, entropy), (logits, tokens, top[..., 0] + log_total, entropy)
+
+
+def _logprob_entropy_bwd(temperature, residuals, cotangents):
+  # d logp / dx = onehot - p and dH / dx = -p (log p + H), for x = logits / temperature.
+  logits, tokens, lse, entropy = residuals
+  g_logp, g_entropy = cotangents
+  log_p = logits.astype(jnp.float32) / temperature - lse[..., None]
+  p = jnp.exp(log_p)
+  onehot = tokens[..., None] == jnp.arange(logits.shape[-1])
+  g_x = (g_logp[..., None] * (onehot - p)
+         - g_entropy[..., None] * p * (log_p + entropy[..., None]))
+  return (g_x / temperature).astype(logits.dtype), None
+
+
+_logprob_entropy.defvjp(_logprob_entropy_fwd, _logprob_entropy_bwd)
 
 
 def split_micro(tree: Any, num: int) -> Any:
