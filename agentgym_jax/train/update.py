@@ -126,11 +126,9 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.
                    ) -> jax.Array:
   """log π(tokens[t] | tokens[<t]) at temperature: logits [B, L, V], tokens [B, L] -> [B, L].
 
-  Computed as picked logit minus logsumexp, which never materialises a second [B, L, V] array.
+  The log-prob half of `token_logprobs_and_entropy` (the unused entropy is compiled away).
   """
-  logits = logits[:, :-1].astype(jnp.float32) / temperature
-  picked = jnp.take_along_axis(logits, tokens[:, 1:, None], axis=-1)[..., 0]
-  return _shift_right(picked - jax.nn.logsumexp(logits, axis=-1))
+  return token_logprobs_and_entropy(logits, tokens, temperature)[0]
 
 
 def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0
