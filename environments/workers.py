@@ -20,6 +20,7 @@ threads, which a forked child would inherit half-locked. This module never impor
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -288,6 +289,16 @@ class _Worker:
     self.kill()
 
 
+@dataclasses.dataclass
+class _Call:
+  """A batch of requests sent to one worker, awaiting its answer."""
+
+  command: str
+  requests: list[tuple[int, Any]]
+  deadline: float  # time.monotonic() by which the answer must have come
+  limit: float  # the seconds the call was given
+
+
 def _shutdown(workers: list[_Worker]) -> None:
   for worker in workers:
     worker.close()
@@ -333,6 +344,8 @@ class EnvPool:
     self._task_ids: dict[int, int] = {}
     self._built: set[int] = set()  # slots whose worker holds a built environment
     self._workers: list[_Worker] = []
+    self._calls: dict[int, collections.deque[_Call]] = collections.defaultdict(collections.deque)
+    self._done: list[tuple[int, StepOutcome]] = []  # answered, not yet returned
     # Runs at close(), at garbage collection and at interpreter exit, whichever comes first.
     self._finalizer = weakref.finalize(self, _shutdown, self._workers)
     for index in range(num_workers):
@@ -371,10 +384,34 @@ class EnvPool:
     The worker applies the environment's `parse_action`; `info["action"]` is the parsed
     action. Stepping a slot without a running episode gives a failed outcome.
     """
-    if len(slots) != len(responses):
-      raise ValueError(f"step got {len(responses)} responses for {len(slots)} slots.")
-    return self._run("step", [(int(slot), str(response))
-                              for slot, response in zip(slots, responses)])
+    return self._run("step", self._step_requests(slots, responses))
+
+  def submit(self, slots: Sequence[int], responses: Sequence[str]) -> None:
+    """Starts stepping slot `slots[i]` with `responses[i]` and returns at once.
+
+    `collect` returns the outcomes as the workers answer, so the caller can keep working
+    (e.g. decoding other episodes) while the environments step. A slot can have one step in
+    flight at a time.
+    """
+    self._send("step", self._step_requests(slots, responses), self.timeout_s)
+
+  def collect(self, timeout_s: float | None = None) -> list[tuple[int, StepOutcome]]:
+    """(slot, outcome) of submitted steps that have been answered, in arrival order.
+
+    Waits up to `timeout_s` seconds for a first answer (0: only what has arrived; None: until
+    one arrives, or nothing is in flight). A worker past its call's limit is replaced and
+    its slots come back failed, as in `step`.
+    """
+    answered = self._receive(timeout_s)
+    while timeout_s is None and not answered and self.in_flight:
+      answered = self._receive(None)
+    return answered
+
+  @property
+  def in_flight(self) -> int:
+    """Slots submitted whose outcome `collect` has not returned yet."""
+    return len(self._done) + sum(len(call.requests) for calls in self._calls.values()
+                                 for call in calls)
 
   def worker_pid(self, slot: int) -> int:
     """The process id of the worker that hosts `slot` (for monitoring and tests)."""
@@ -390,82 +427,112 @@ class EnvPool:
   def __exit__(self, *exc_info) -> None:
     self.close()
 
-  # ----- batching ----------------------------------------------------------------------------
+  # ----- calls to the workers ----------------------------------------------------------------
+  # Each worker answers its calls in the order they were sent; `_calls[w]` holds the calls
+  # worker w still owes, oldest first, so every answer is matched to its call.
+
+  @staticmethod
+  def _step_requests(slots: Sequence[int], responses: Sequence[str]) -> list[tuple[int, str]]:
+    if len(slots) != len(responses):
+      raise ValueError(f"step got {len(responses)} responses for {len(slots)} slots.")
+    return [(int(slot), str(response)) for slot, response in zip(slots, responses)]
 
   def _run(self, command: str, requests: list[tuple[int, Any]]) -> list[StepOutcome]:
-    if not self._finalizer.alive:
-      raise RuntimeError("EnvPool is closed; create a new one.")
-    seen: set[int] = set()
-    for slot, _ in requests:
-      if slot < 0 or slot in seen:
-        raise ValueError(f"Slots must be distinct and >= 0; got slot {slot} in {command}.")
-      seen.add(slot)
-
-    batches: dict[int, list[tuple[int, Any]]] = {}
-    positions: dict[int, list[int]] = {}
-    for position, (slot, arg) in enumerate(requests):
-      index = slot % self.num_workers
-      batches.setdefault(index, []).append((slot, arg))
-      positions.setdefault(index, []).append(position)
-
-    outcomes: list[StepOutcome | None] = [None] * len(requests)
-
-    def fail(index: int, reason: str, failure: str) -> None:
-      # A reset that did not happen is a failed reset, whatever stopped the worker.
-      failure = "reset_failed" if command == "reset" else failure
-      for position in positions[index]:
-        outcomes[position] = self._labelled(failed_outcome(reason, failure), command,
-                                            requests[position])
-
+    """A blocking call: sends `requests` and waits for every one of them."""
+    if self.in_flight:
+      raise RuntimeError(f"EnvPool.{command} was called while {self.in_flight} submitted "
+                         "steps are in flight; collect them first.")
     limit = self.timeout_s
     if command == "reset":
-      to_build = max(sum(slot not in self._built for slot, _ in batch)
-                     for batch in batches.values())
-      limit += self.create_timeout_s * to_build
-
-    pending: dict[Any, int] = {}
+      # Instances are built on a slot's first reset; the busiest worker builds the most.
+      to_build = collections.Counter(slot % self.num_workers for slot, _ in requests
+                                     if slot not in self._built)
+      limit += self.create_timeout_s * max(to_build.values(), default=0)
+    answers: dict[int, StepOutcome] = {}
     try:
-      for index, batch in batches.items():
-        worker = self._workers[index]
-        try:
-          worker.conn.send((command, batch))
-        except (OSError, ValueError):
-          fail(index, self._replace(index, f"could not send {command} to it"), "worker_crash")
-          continue
-        pending[worker.conn] = index
-
-      deadline = time.monotonic() + limit
-      while pending:
-        ready = mp_connection.wait(list(pending), max(0.0, deadline - time.monotonic()))
-        if not ready:
-          break
-        for conn in ready:
-          index = pending.pop(conn)
-          try:
-            results = conn.recv()
-          except (EOFError, OSError):
-            fail(index, self._replace(index, f"it died during {command}"), "worker_crash")
-            continue
-          for position, fields in zip(positions[index], results):
-            outcome = StepOutcome(*fields)
-            slot = requests[position][0]
-            if outcome.failed:
-              # The worker drops the environment of a failed episode.
-              self._built.discard(slot)
-              outcome = self._labelled(outcome, command, requests[position])
-            elif command == "reset":
-              self._built.add(slot)
-            outcomes[position] = outcome
-      for index in list(pending.values()):
-        fail(index, self._replace(index, f"it did not answer {command} within {limit:g} s "
-                                         f"(timeout_s={self.timeout_s:g})"), "step_timeout")
-      pending.clear()
+      self._send(command, requests, limit)
+      while self.in_flight:
+        answers.update(self._receive(None))
     finally:
-      # Interrupted mid-call (e.g. Ctrl-C): a late reply would be read as the answer to the
-      # next call, so the workers still owing one are replaced.
-      for index in list(pending.values()):
-        self._replace(index, f"the pool call {command} was interrupted")
-    return outcomes
+      # Interrupted mid-call (e.g. Ctrl-C): the workers still owing an answer are replaced,
+      # so that the pool is usable again.
+      for index in [i for i, calls in self._calls.items() if calls]:
+        self._fail_worker(index, f"the pool call {command} was interrupted", "worker_crash")
+      self._done.clear()
+    return [answers[slot] for slot, _ in requests]
+
+  def _send(self, command: str, requests: list[tuple[int, Any]], limit: float) -> None:
+    if not self._finalizer.alive:
+      raise RuntimeError("EnvPool is closed; create a new one.")
+    busy = {slot for calls in self._calls.values() for call in calls
+            for slot, _ in call.requests} | {slot for slot, _ in self._done}
+    seen: set[int] = set()
+    for slot, _ in requests:
+      if slot < 0 or slot in seen or slot in busy:
+        raise ValueError(f"Slots must be distinct, >= 0 and not in flight; got slot {slot} in "
+                         f"{command}.")
+      seen.add(slot)
+    batches: dict[int, list[tuple[int, Any]]] = {}
+    for slot, arg in requests:
+      batches.setdefault(slot % self.num_workers, []).append((slot, arg))
+    now = time.monotonic()
+    for index, batch in batches.items():
+      calls = self._calls[index]
+      # A call starts when the worker has answered the ones before it.
+      deadline = max([now] + [call.deadline for call in calls]) + limit
+      calls.append(_Call(command, batch, deadline, limit))
+      try:
+        self._workers[index].conn.send((command, batch))
+      except (OSError, ValueError):
+        self._fail_worker(index, f"could not send {command} to it", "worker_crash")
+
+  def _receive(self, timeout_s: float | None) -> list[tuple[int, StepOutcome]]:
+    """Reads the answers that arrive within `timeout_s` (None: the earliest call deadline)."""
+    owing = {self._workers[index].conn: index
+             for index, calls in self._calls.items() if calls}
+    if owing and not self._done:
+      wait = min(calls[0].deadline for calls in self._calls.values() if calls)
+      wait -= time.monotonic()
+      if timeout_s is not None:
+        wait = min(wait, timeout_s)
+      for conn in mp_connection.wait(list(owing), max(0.0, wait)):
+        index = owing[conn]
+        call = self._calls[index][0]
+        try:
+          results = conn.recv()
+        except (EOFError, OSError):
+          self._fail_worker(index, f"it died during {call.command}", "worker_crash")
+          continue
+        self._calls[index].popleft()
+        for (slot, arg), fields in zip(call.requests, results):
+          outcome = StepOutcome(*fields)
+          if outcome.failed:
+            # The worker drops the environment of a failed episode.
+            self._built.discard(slot)
+            outcome = self._labelled(outcome, call.command, (slot, arg))
+          elif call.command == "reset":
+            self._built.add(slot)
+          self._done.append((slot, outcome))
+      now = time.monotonic()
+      for index, calls in self._calls.items():
+        if calls and calls[0].deadline <= now:
+          self._fail_worker(index, f"it did not answer {calls[0].command} within "
+                                   f"{calls[0].limit:g} s (timeout_s={self.timeout_s:g})",
+                            "step_timeout")
+    done, self._done = self._done, []
+    return done
+
+  def _fail_worker(self, index: int, why: str, failure: str) -> None:
+    """Replaces worker `index`; every call it owed comes back as failed outcomes."""
+    reason = self._replace(index, why)
+    calls = self._calls[index]
+    while calls:
+      call = calls.popleft()
+      # A reset that did not happen is a failed reset, whatever stopped the worker.
+      kind = "reset_failed" if call.command == "reset" else failure
+      self._done.extend(
+          (slot, self._labelled(failed_outcome(reason, kind), call.command, (slot, arg)))
+          for slot, arg in call.requests)
 
   def _labelled(self, outcome: StepOutcome, command: str, request: tuple[int, Any]) -> StepOutcome:
     """A failed outcome with the slot's task id and, for a step, the parsed action."""

@@ -1,5 +1,7 @@
 """The `scripted` environment: rules, rewards, parser, expert, splits, filler."""
 
+import time
+
 import pytest
 
 import environments
@@ -74,7 +76,17 @@ def test_filler_lengths():
   assert len(lengths) > 2
 
 
+def test_step_latency():
+  env = ScriptedEnv(step_latency_s=0.05)
+  env.reset(options={"task_id": 0})
+  start = time.perf_counter()
+  env.step("open nothing")
+  assert time.perf_counter() - start >= 0.05
+
+
 def test_bad_arguments():
+  with pytest.raises(ValueError, match="step_latency_s"):
+    ScriptedEnv(step_latency_s=-0.1)
   with pytest.raises(ValueError, match="max_steps"):
     ScriptedEnv(max_steps=0)
   with pytest.raises(ValueError, match="filler_words"):

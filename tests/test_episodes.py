@@ -103,9 +103,10 @@ def _spy_decode(monkeypatch):
   real = sampler.decode
 
   def spy(*args, **kwargs):
-    out = real(*args, **kwargs)
-    calls.append((np.asarray(args[4]), np.asarray(out[1]), np.asarray(out[3])))
-    return out
+    active = np.asarray(args[4].running)  # read before the call donates it
+    cache, logits, turn = real(*args, **kwargs)
+    calls.append((active, np.asarray(turn.tokens), np.asarray(turn.counts)))
+    return cache, logits, turn
   monkeypatch.setattr(sampler, "decode", spy)
   return calls
 
@@ -406,6 +407,38 @@ def test_compaction_and_sharding_do_not_change_samples(tok, model, monkeypatch):
     np.testing.assert_array_equal(other.tokens, plain.tokens)
     # Other batch shapes sum attention in another order: float32 rounding, nothing more.
     np.testing.assert_allclose(other.sample_logprobs, plain.sample_logprobs, atol=1e-4)
+
+
+def test_overlapped_env_steps_sample_what_lockstep_samples(tok, model, monkeypatch):
+  graphdef, state = nnx.split(model)
+  run = lambda pool, **kw: run_episodes(graphdef, state, tok, pool, [0, 1, 2, 3, 5, 6],
+                                        group_size=2, max_turns=3, sampling=SAMPLING,
+                                        max_context=1024, rng=3, **kw)
+  starts = []  # (rows starting a turn, rows mid-turn) of every start_turns call
+  real_start = sampler.start_turns
+  monkeypatch.setattr(sampler, "start_turns", lambda turn, starting, *rest: starts.append(
+      (np.asarray(starting), np.asarray(turn.running))) or real_start(turn, starting, *rest))
+  lockstep, lock_stats = run(FakePool())
+  assert len(lock_stats["turn_seconds"]) == 3
+  starts.clear()
+  overlapped, stats = run(FakePool(), overlap_env=True, check_every=3)
+  assert stats["turn_seconds"] == [] and stats["rollout/sampled_tokens"] == (
+      lock_stats["rollout/sampled_tokens"])
+  # Rows started their next turn while other rows were still sampling theirs.
+  assert any((starting & ~running).any() and (running & ~starting).any()
+             for starting, running in starts)
+  # A real pool whose steps take 50 ms: rows wait for it while the others decode.
+  with EnvPool("scripted", num_workers=2, env_kwargs=dict(step_latency_s=0.05)) as pool:
+    scripted_lock, _ = run(pool, compact=False)
+    scripted_overlapped, _ = run(pool, overlap_env=True, check_every=4)
+  for a, b in ((lockstep, overlapped), (scripted_lock, scripted_overlapped)):
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+    np.testing.assert_array_equal(b.loss_mask, a.loss_mask)
+    np.testing.assert_array_equal(b.num_turns, a.num_turns)
+    np.testing.assert_allclose(b.sample_logprobs, a.sample_logprobs, atol=1e-4)
+    np.testing.assert_allclose(b.rewards, a.rewards)
+  with pytest.raises(ValueError, match="check_every must be >= 1"):
+    run(FakePool(), overlap_env=True, check_every=0)
 
 
 def test_rows_run_a_share_of_the_batch_with_its_keys_and_groups(tok, model):

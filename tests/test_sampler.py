@@ -95,10 +95,13 @@ def _decode(model, end_ids, caps, active=None,
   cache, logits = _prefill(model, PROMPTS)
   b = len(PROMPTS)
   active = np.ones(b, bool) if active is None else np.asarray(active)
-  cache, tokens, logprobs, counts = sampler.decode(
-      graphdef, state, cache, logits, active, _keys(b), np.asarray(caps, np.int32), end_ids,
-      sampling)
-  return cache, np.asarray(tokens), np.asarray(logprobs), np.asarray(counts)
+  # Token i of row b is drawn with key fold_in(_keys(b)[b], i).
+  turn = sampler.Turn.idle(_keys(b), sampling.max_reply_tokens).replace(
+      running=jnp.asarray(active))
+  cache, _, turn = sampler.decode(graphdef, state, cache, logits, turn,
+                                  np.asarray(caps, np.int32), end_ids, sampling,
+                                  sampling.max_reply_tokens)
+  return cache, np.asarray(turn.tokens), np.asarray(turn.logprobs), np.asarray(turn.counts)
 
 
 def test_decode_stops_per_row_on_end_token_and_cap(model):

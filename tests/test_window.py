@@ -13,6 +13,7 @@ from agentgym_jax.models import Decoder, ModelConfig
 from agentgym_jax.rl import advantages
 from agentgym_jax.rl.algorithm import AlgorithmSpec
 from agentgym_jax.rollout import SamplingConfig, run_episodes, sampler, window
+from agentgym_jax.rollout import batch as batch_lib
 from agentgym_jax.rollout import episodes as episodes_lib
 from agentgym_jax.rollout.trajectory import segments
 from agentgym_jax.tokenization import ChatTokenizer
@@ -70,7 +71,7 @@ def _spy_contexts(monkeypatch):
   held: dict[int, list[int]] = {}
   seen = []
   real_extend, real_decode = sampler.extend, sampler.decode
-  real_rewind = episodes_lib._Batch.rewind
+  real_rewind = batch_lib.DecodeBatch.rewind
 
   def extend(graphdef, state, cache, logits, tokens, num_new):
     for row, n in enumerate(np.asarray(num_new)):
@@ -83,18 +84,19 @@ def _spy_contexts(monkeypatch):
     return real_rewind(self, rewound, lengths)
 
   def decode(*args, **kwargs):
-    active = np.asarray(args[4])
-    cache, tokens, logprobs, counts = real_decode(*args, **kwargs)
-    assert (np.asarray(cache.lengths)[active] - np.asarray(counts)[active] + 1
+    active = np.asarray(args[4].running)  # read before the call donates it
+    cache, logits, turn = real_decode(*args, **kwargs)
+    counts = np.asarray(turn.counts)
+    assert (np.asarray(cache.lengths)[active] - counts[active] + 1
             == [len(held[r]) for r in np.flatnonzero(active)]).all()
     seen.append({r: list(held[r]) for r in np.flatnonzero(active)})
     for r in np.flatnonzero(active):  # all but the last sampled token enter the cache
-      held[r].extend(np.asarray(tokens)[r, :int(counts[r]) - 1].tolist())
-    return cache, tokens, logprobs, counts
+      held[r].extend(np.asarray(turn.tokens)[r, :int(counts[r]) - 1].tolist())
+    return cache, logits, turn
 
   monkeypatch.setattr(sampler, "extend", extend)
   monkeypatch.setattr(sampler, "decode", decode)
-  monkeypatch.setattr(episodes_lib._Batch, "rewind", rewind)
+  monkeypatch.setattr(batch_lib.DecodeBatch, "rewind", rewind)
   return seen
 
 

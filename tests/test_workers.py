@@ -85,6 +85,44 @@ def test_step_order_follows_the_requested_slots(pool):
   assert [o.info["task_id"] for o in outcomes] == [3, 0, 2]
 
 
+def test_submitted_steps_come_back_as_each_worker_answers(pool):
+  pool.reset([4, 4, 4, 4])
+  # Slot 0 (worker 0) sleeps; slot 1 (worker 1) answers at once.
+  pool.submit([0, 1], ["Action: sleep 1.5", "Action: inc"])
+  assert pool.in_flight == 2
+  start = time.monotonic()
+  first = pool.collect(None)
+  assert time.monotonic() - start < 1.0
+  assert [(slot, out.observation) for slot, out in first] == [(1, "Count 1.")]
+  assert pool.collect(0.0) == []  # nothing more has arrived yet
+  # Slot 1 steps again while slot 0 is still busy; a second step of slot 0 is refused.
+  pool.submit([1], ["Action: inc"])
+  with pytest.raises(ValueError, match="not in flight; got slot 0"):
+    pool.submit([0], ["Action: inc"])
+  with pytest.raises(RuntimeError, match="collect them first"):
+    pool.step([2], ["Action: inc"])
+  answered = {}
+  while pool.in_flight:
+    answered.update(pool.collect(None))
+  assert answered[1].observation == "Count 2." and answered[0].observation == "Slept."
+  assert time.monotonic() - start >= 1.5
+  assert pool.step([2], ["Action: inc"])[0].observation == "Count 1."
+
+
+def test_a_submitted_step_past_its_limit_fails_and_the_worker_is_replaced():
+  with EnvPool(CounterEnv, num_workers=2, timeout_s=2.0) as pool:
+    pool.reset([4, 4])
+    hung = pool.worker_pid(0)
+    pool.submit([0, 1], ["Action: sleep 60", "Action: inc"])
+    answered = {}
+    while pool.in_flight:
+      answered.update(pool.collect(None))
+    assert answered[0].failed and answered[0].info["failure"] == "step_timeout"
+    assert answered[0].info["task_id"] == 4 and answered[0].info["action"] == "sleep 60"
+    assert answered[1].observation == "Count 1."
+    assert not _alive(hung)
+
+
 def test_killed_worker_fails_its_episodes_and_is_replaced(pool):
   pool.reset([4, 4, 4, 4])
   victim = pool.worker_pid(0)

@@ -13,6 +13,18 @@ length is reset; the opening's keys and values stay valid, as they are the same 
 same positions) and the kept turns are extended again, the same ids as sampled: what the
 model sees is exactly `window.context_tokens`, which the trainer's per-turn rows rebuild.
 
+Two schedules (`overlap_env`):
+
+* lock-step (default): every running episode samples its turn, then the environments step
+  them all together, then the next turn starts. Each turn waits for its slowest reply and its
+  slowest environment.
+* overlapped: `decode` runs `check_every` tokens at a time; between calls, rows whose turn has
+  ended hand their reply to the pool (`EnvPool.submit`) and wait there while the other rows
+  keep decoding; an answered observation (`EnvPool.collect`) is appended to its row, which
+  then starts its next turn alongside the rows already mid-turn. The model is not idle while
+  slow environments (a JVM, a browser, a remote server) step. Samples are the same as in
+  lock-step: a row's draws depend on its own key, turn and token index only.
+
 Episodes end when the environment terminates or truncates them, when the pool reports a fault
 (the episode is then marked failed, see rollout/trajectory.py), at `max_turns`, or when the
 next turn's context could overflow `max_context` (reply cap included; with a window, the
@@ -38,8 +50,6 @@ samples do not depend either on how many processes share it.
 
 from __future__ import annotations
 
-import contextlib
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,12 +58,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh
 
-from agentgym_jax import sharding
-from agentgym_jax.models import KVCache
-from agentgym_jax.rollout import sampler, window
+from agentgym_jax.rollout import window
+from agentgym_jax.rollout.batch import DecodeBatch, replica_meshes, shards_of, state_on
 from agentgym_jax.rollout.sampler import SamplingConfig
 from agentgym_jax.rollout.trajectory import Episode, Trajectory, anchor_id, build_trajectory
 from agentgym_jax.tokenization import ChatTokenizer
@@ -67,162 +75,6 @@ def _as_key(rng: Any) -> jax.Array:
   if jnp.issubdtype(jnp.asarray(rng).dtype, jax.dtypes.prng_key):
     return rng
   return jax.random.wrap_key_data(jnp.asarray(rng, jnp.uint32))
-
-
-@jax.jit
-def _turn_keys(keys: jax.Array, turn: jax.Array) -> jax.Array:
-  """[B] keys -> [B] keys folded with this turn's number."""
-  return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, turn)
-
-
-@jax.jit
-def _rewind(lengths: jax.Array, rewound: jax.Array, to: jax.Array) -> jax.Array:
-  """[B] cache lengths with rows `rewound` [B] bool set to `to` [B]."""
-  return jnp.where(rewound, to, lengths)
-
-
-@jax.jit
-def _take_rows(tree: Any, rows: jax.Array) -> Any:
-  """Gathers rows `rows` [B'] of every array in `tree` (compaction)."""
-  return jax.tree.map(lambda x: x[rows], tree)
-
-
-def replica_meshes(mesh: Mesh | None, replicas: int) -> list[Mesh | None]:
-  """The device groups of `replicas` independent batches: slices of the mesh's data axis.
-
-  Raises ValueError when `replicas` is below 1 or does not divide the data axis (or, without
-  a mesh, exceeds the local devices).
-  """
-  if replicas < 1:
-    raise ValueError(f"replicas must be >= 1, got {replicas}.")
-  if replicas == 1:
-    return [mesh]
-  if mesh is None:
-    devices = jax.local_devices()
-    if len(devices) < replicas:
-      raise ValueError(
-          f"replicas={replicas} needs as many local devices, found {len(devices)}. On a CPU "
-          f"host, XLA_FLAGS=--xla_force_host_platform_device_count={replicas} (set before jax "
-          "is imported) exposes the cores as devices.")
-    mesh = sharding.make_mesh([("data", replicas), ("fsdp", 1), ("tensor", 1)],
-                              devices[:replicas])
-  axis = mesh.axis_names.index("data") if "data" in mesh.axis_names else -1
-  if axis < 0 or mesh.devices.shape[axis] % replicas:
-    raise ValueError(f"replicas={replicas} must divide the mesh's data axis, got mesh "
-                     f"{dict(mesh.shape)}.")
-  return [Mesh(part, mesh.axis_names, axis_types=mesh.axis_types)
-          for part in np.split(mesh.devices, replicas, axis=axis)]
-
-
-def _state_on(state: nnx.State, mesh: Mesh) -> nnx.State:
-  """The parameters copied onto a replica's mesh, each with its own partition spec."""
-  def put(x):
-    spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else P()
-    return jax.device_put(x, NamedSharding(mesh, spec))
-  return jax.tree.map(put, state)
-
-
-def _shards(mesh: Mesh | None) -> int:
-  """How many ways a batch on `mesh` splits its rows (row counts are kept a multiple)."""
-  return 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in sharding.BATCH_AXES)
-
-
-class _Batch:
-  """The device-side state: KV cache rows, their episodes and the pending logits."""
-
-  def __init__(self, graphdef, state, rows: int, limit: int, grow: bool, mesh: Mesh | None,
-               cache_dtype):
-    cfg = nnx.merge(graphdef, state).cfg
-    self.graphdef, self.state, self.mesh, self.limit = graphdef, state, mesh, limit
-    length = sampler.cache_bucket(0, limit) if grow else limit
-    self.cache = self._put(KVCache.init(cfg, rows, length, cache_dtype))
-    self.logits = self._put(jnp.zeros((rows, cfg.vocab_size), jnp.float32))
-    self.episode_of_row = np.full((rows,), -1, np.int64)
-    self.keys = None
-
-  def assign(self, episodes: np.ndarray, keys: jax.Array) -> None:
-    """Puts `episodes` in the first rows, with their PRNG keys (`keys[e]` for episode e).
-
-    The keys live with the rows: each turn's keys are then derived on this batch's own
-    devices, never queued behind another replica's work on the default device.
-    """
-    self.episode_of_row[:len(episodes)] = episodes
-    # Rows without an episode take episode 0's key; they are inactive and sample nothing.
-    self.keys = self._put(keys[np.maximum(self.episode_of_row, 0)])
-
-  @property
-  def rows(self) -> int:
-    return self.episode_of_row.shape[0]
-
-  @property
-  def shards(self) -> int:
-    return _shards(self.mesh)
-
-  def _put(self, tree):
-    # Every array here has the batch first: split it over the mesh's (data, fsdp) axes.
-    return tree if self.mesh is None else sharding.shard_batch(tree, self.mesh)
-
-  def _mesh_context(self):
-    # Under the mesh the model pins its activations to the data-parallel plan.
-    return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
-
-  def _fit(self, reach: int) -> None:
-    """Makes the cache hold `reach` tokens per row: a grown cache grows to the bucket that
-    holds them, and attention reads that bucket's slots only (a cache of `limit` slots
-    compiles once per bucket instead of reading every slot at every step)."""
-    bucket = sampler.cache_bucket(reach, self.limit)
-    if bucket > self.cache.max_len:
-      self.cache = self._put(self.cache.grow(bucket))
-    if bucket != self.cache.view_len:
-      self.cache = self.cache.with_live(bucket)
-
-  def extend(self, chunks: list[list[int]], starts: np.ndarray, max_chunk: int, pad_id: int
-             ) -> None:
-    """Appends chunks[row] to every row, in calls of `sampler.chunk_pieces` widths.
-
-    `starts[row]` is how many tokens the row holds before (known on the host).
-    """
-    offset = 0
-    for count, width in sampler.chunk_pieces(max(len(c) for c in chunks), max_chunk):
-      pieces = [c[offset:offset + count] for c in chunks]
-      tokens = np.full((self.rows, width), pad_id, np.int32)
-      for row, piece in enumerate(pieces):
-        tokens[row, :len(piece)] = piece
-      num_new = np.asarray([len(p) for p in pieces], np.int32)
-      # Real tokens must fit; padding past the end of the cache is dropped.
-      self._fit(int(np.max(np.where(num_new > 0, starts + offset + num_new, 0))))
-      with self._mesh_context():
-        self.cache, self.logits = sampler.extend(
-            self.graphdef, self.state, self.cache, self.logits, self._put(tokens),
-            self._put(num_new))
-      offset += count
-
-  def rewind(self, rewound: np.ndarray, lengths: np.ndarray) -> None:
-    """Shortens rows `rewound` [rows] bool to `lengths` [rows] tokens; later slots are
-    overwritten by the next extend (attention never reads past a row's length)."""
-    self.cache = self.cache.replace(lengths=_rewind(
-        self.cache.lengths, self._put(rewound), self._put(lengths.astype(np.int32))))
-
-  def decode(self, active: np.ndarray, keys: jax.Array, caps: np.ndarray, reach: int,
-             end_ids: tuple[int, ...], sampling: SamplingConfig):
-    """Starts sampling a turn for the active rows; `reach` bounds every row's length after.
-
-    Returns (tokens, logprobs, counts) as device arrays, still being computed: the caller
-    fetches them once every replica's turn has been dispatched.
-    """
-    self._fit(reach)
-    with self._mesh_context():
-      self.cache, tokens, logprobs, counts = sampler.decode(
-          self.graphdef, self.state, self.cache, self.logits, self._put(active),
-          self._put(keys), self._put(caps), end_ids, sampling)
-    return tokens, logprobs, counts
-
-  def compact(self, keep: np.ndarray, rows: int) -> None:
-    """Keeps rows `keep` (in order) in a batch of `rows` rows."""
-    order = np.concatenate([keep, np.setdiff1d(np.arange(self.rows), keep)])[:rows]
-    state = _take_rows((self.cache, self.logits, self.keys), self._put(order))
-    self.cache, self.logits, self.keys = self._put(state)
-    self.episode_of_row = np.where(np.arange(rows) < len(keep), self.episode_of_row[order], -1)
 
 
 def _next_chunk(e: Episode, cached: int, cached_start: int, history_turns: int
@@ -261,6 +113,239 @@ def opening_messages(info: dict[str, Any], observation: str, system_prompt: str 
   return messages
 
 
+class _Episodes:
+  """The host side of a rollout: each episode's record, where its cache row stands, and the
+  rules that end it. Both schedules drive the batches through these methods."""
+
+  def __init__(self, episodes: list[Episode], tok: ChatTokenizer, sampling: SamplingConfig,
+               max_turns: int, max_context: int, max_chunk: int, history_turns: int,
+               invalid_action_reward: float):
+    self.episodes, self.tok, self.sampling = episodes, tok, sampling
+    self.max_turns, self.max_context, self.max_chunk = max_turns, max_context, max_chunk
+    self.history_turns, self.invalid_action_reward = history_turns, invalid_action_reward
+    self.cap = sampling.max_reply_tokens
+    self.end_ids = tuple(tok.end_of_turn_ids)
+    num = len(episodes)
+    self.running = np.zeros(num, bool)
+    self.in_cache = np.zeros(num, np.int64)  # tokens of each episode's context in its row
+    # Where the window held in each cache row starts in the episode's tokens (the first kept
+    # turn's first token): when the next context starts elsewhere, the row is rewound.
+    self.window_start = np.zeros(num, np.int64)
+    self.ended_on_cap = np.zeros(num, bool)
+    self.sampled = 0
+
+  def open(self, index: int, out: Any, system_prompt: str | None, acknowledgement: str) -> None:
+    """Records episode `index`'s reset outcome; it runs unless it already ended."""
+    e = self.episodes[index]
+    e.messages = opening_messages(out.info, out.observation, system_prompt, acknowledgement)
+    e.category = out.info.get("category")
+    e.append(self.tok.encode_opening(e.messages), turn=-1)
+    if "error" in out.info:
+      e.fail(out.info)
+    elif out.terminated or out.truncated:
+      e.finish("terminated", terminated=out.terminated, truncated=out.truncated)
+    elif len(e.tokens) + self.cap > self.max_context:
+      e.finish("context", truncated=True)
+    else:
+      self.running[index] = True
+      e.anchors.append(anchor_id(out.observation, out.info))
+
+  def start_turns(self, batch: DecodeBatch, starting: np.ndarray) -> None:
+    """Appends to rows `starting` [rows] bool what their episodes' next contexts add, and
+    starts their turns."""
+    row_eps = batch.episode_of_row
+    held = np.where(row_eps >= 0, self.in_cache[row_eps], 0)  # tokens in each cache row
+    keep, chunks = held.copy(), [[] for _ in row_eps]
+    for row in np.flatnonzero(starting):
+      ep = row_eps[row]
+      keep[row], chunks[row], self.window_start[ep] = _next_chunk(
+          self.episodes[ep], self.in_cache[ep], self.window_start[ep], self.history_turns)
+    if (keep < held).any():
+      batch.rewind(keep < held, keep)
+    batch.extend(chunks, keep, self.max_chunk, self.tok.pad_id)
+    for row in np.flatnonzero(starting):
+      self.in_cache[row_eps[row]] = keep[row] + len(chunks[row])
+    turn_numbers = np.asarray([self.episodes[ep].num_turns if ep >= 0 else 0
+                               for ep in row_eps])
+    batch.start(starting, turn_numbers)
+
+  def decode(self, batch: DecodeBatch, sampling_rows: np.ndarray, steps: int) -> None:
+    """Dispatches up to `steps` tokens of the turns of rows `sampling_rows` [rows] bool."""
+    reach = int(self.in_cache[batch.episode_of_row[sampling_rows]].max()) + self.cap
+    batch.decode(reach, self.end_ids, self.sampling, steps)
+
+  def take_reply(self, ep: int, tokens: np.ndarray, logprobs: np.ndarray, count: int) -> str:
+    """Records the `count` tokens episode `ep` sampled this turn; returns the reply's text."""
+    e = self.episodes[ep]
+    ids = tokens[:count].tolist()
+    e.append(ids, turn=e.num_turns, logprobs=logprobs[:count])
+    self.in_cache[ep] += count - 1  # the last sampled token is fed with the next chunk
+    self.sampled += count
+    self.ended_on_cap[ep] = ids[-1] not in self.end_ids
+    text = self.tok.decode(ids if self.ended_on_cap[ep] else ids[:-1])
+    e.messages.append({"role": "assistant", "content": text})
+    return text
+
+  def record_step(self, ep: int, out: Any) -> bool:
+    """Applies the environment's answer to episode `ep`'s turn; True while it runs on."""
+    e = self.episodes[ep]
+    e.record_step(out.reward, out.info, self.invalid_action_reward)
+    e.messages.append({"role": "user", "content": out.observation})
+    e.actions.append(out.info.get("action"))
+    if "error" in out.info:
+      e.fail(out.info)
+    elif out.terminated or out.truncated:
+      e.finish("terminated" if out.terminated else "env_truncated",
+               terminated=out.terminated, truncated=out.truncated)
+    elif e.num_turns >= self.max_turns:
+      e.finish("max_turns", truncated=True)
+    else:
+      # A reply cut off by the cap is closed with the end-of-turn token it never sampled
+      # (loss_mask 0), so the next turn sees a well-formed conversation.
+      chunk = (([self.tok.end_of_turn_ids[0]] if self.ended_on_cap[ep] else [])
+               + self.tok.encode_observation(out.observation))
+      if _next_context_length(e, len(chunk), self.history_turns) + self.cap > self.max_context:
+        e.finish("context", truncated=True)
+      else:
+        e.append(chunk, turn=e.num_turns - 1)
+        e.anchors.append(anchor_id(out.observation, out.info))
+    self.running[ep] = not e.stop_reason
+    return bool(self.running[ep])
+
+  def live_rows(self, batch: DecodeBatch) -> np.ndarray:
+    """[rows] bool: rows holding an episode that has not ended."""
+    row_eps = batch.episode_of_row
+    return (row_eps >= 0) & self.running[np.maximum(row_eps, 0)]
+
+
+def _compact(batch: DecodeBatch, live: np.ndarray) -> None:
+  """Halves the batch (repeatedly) while at most half its rows are `live`."""
+  target = batch.rows
+  while target % 2 == 0 and (target // 2) % batch.shards == 0 and live.sum() * 2 <= target:
+    target //= 2
+  if target < batch.rows:
+    batch.compact(np.flatnonzero(live), target)
+
+
+class _BlockingSubmit:
+  """`submit` / `collect` over a pool that only steps synchronously: a submitted step runs
+  when it is collected."""
+
+  def __init__(self, pool: Any):
+    self.pool, self.queue = pool, []
+
+  def submit(self, slots: list[int], responses: list[str]) -> None:
+    self.queue.append((slots, responses))
+
+  def collect(self, timeout_s: float | None = None) -> list[tuple[int, Any]]:
+    del timeout_s  # the steps run now
+    done = [pair for slots, responses in self.queue
+            for pair in zip(slots, self.pool.step(slots, responses))]
+    self.queue = []
+    return done
+
+
+def _lockstep(host: _Episodes, batches: list[DecodeBatch], pool: Any, compact: bool,
+              on_ended: Callable[[int], None] | None) -> tuple[list[float], float]:
+  """Turn after turn: every running episode samples, then every environment steps.
+
+  Returns the wall time of each turn and the seconds spent stepping environments.
+  """
+  turn_seconds, env_seconds = [], 0.0
+  for _ in range(host.max_turns):
+    if not host.running.any():
+      break
+    turn_start = time.perf_counter()
+    num_running = int(host.running.sum())
+    # Dispatch every replica's extend and decode first; they run while the next is queued.
+    dispatched = []
+    for batch in batches:
+      live = host.live_rows(batch)
+      if not live.any():
+        continue
+      if compact and live.sum() * 2 <= batch.rows:
+        _compact(batch, live)
+        live = host.live_rows(batch)
+      host.start_turns(batch, live)
+      host.decode(batch, live, host.cap)
+      dispatched.append((batch, live))
+    slots, responses = [], []
+    turns = jax.device_get([(b.turn.tokens, b.turn.logprobs, b.turn.counts)
+                            for b, _ in dispatched])
+    for (batch, live), (tokens, logprobs, counts) in zip(dispatched, turns):
+      for row in np.flatnonzero(live):
+        ep = batch.episode_of_row[row]
+        slots.append(ep)
+        responses.append(host.take_reply(ep, tokens[row], logprobs[row], int(counts[row])))
+    env_start = time.perf_counter()
+    outcomes = pool.step(slots, responses)
+    env_seconds += time.perf_counter() - env_start
+    for ep, out in zip(slots, outcomes):
+      host.record_step(ep, out)
+    turn_seconds.append(time.perf_counter() - turn_start)
+    if on_ended is not None:
+      on_ended(num_running - int(host.running.sum()))
+  return turn_seconds, env_seconds
+
+
+def _overlapped(host: _Episodes, batches: list[DecodeBatch], pool: Any, compact: bool,
+                on_ended: Callable[[int], None] | None, check_every: int) -> float:
+  """Rows decode while other rows' environments step (see the module docstring).
+
+  Returns the seconds the host waited for the environments with no row left to decode.
+  """
+  if not hasattr(pool, "submit"):
+    pool = _BlockingSubmit(pool)
+  num = len(host.episodes)
+  ready = host.running.copy()  # the next turn can start (its context is known)
+  sampling = np.zeros(num, bool)  # mid-turn on the device
+  env_seconds = 0.0
+  while host.running.any():
+    dispatched = []
+    for batch in batches:
+      live = host.live_rows(batch)
+      if not live.any():
+        continue
+      if compact and live.sum() * 2 <= batch.rows:
+        _compact(batch, live)
+      row_eps = batch.episode_of_row
+      starting = (row_eps >= 0) & ready[np.maximum(row_eps, 0)]
+      if starting.any():
+        host.start_turns(batch, starting)
+        ready[row_eps[starting]] = False
+        sampling[row_eps[starting]] = True
+      decoding = (row_eps >= 0) & sampling[np.maximum(row_eps, 0)]
+      if decoding.any():
+        host.decode(batch, decoding, check_every)
+        dispatched.append((batch, decoding))
+    slots, responses = [], []
+    turns = jax.device_get([(b.turn.tokens, b.turn.logprobs, b.turn.counts, b.turn.running)
+                            for b, _ in dispatched])
+    for (batch, decoding), (tokens, logprobs, counts, still) in zip(dispatched, turns):
+      for row in np.flatnonzero(decoding & ~still):
+        ep = batch.episode_of_row[row]
+        sampling[ep] = False
+        slots.append(ep)
+        responses.append(host.take_reply(ep, tokens[row], logprobs[row], int(counts[row])))
+    if slots:
+      pool.submit(slots, responses)
+    # Poll while any row can decode; otherwise wait for the first answer.
+    idle = not (sampling.any() or ready.any())
+    wait_start = time.perf_counter()
+    answered = pool.collect(None if idle else 0.0)
+    if idle:
+      env_seconds += time.perf_counter() - wait_start
+    ended = 0
+    for ep, out in answered:
+      if host.record_step(ep, out):
+        ready[ep] = True
+      else:
+        ended += 1
+    if ended and on_ended is not None:
+      on_ended(ended)
+  return env_seconds
+
+
 def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, pool: Any,
                  task_ids: Sequence[int], group_size: int = 1, max_turns: int = 10,
                  sampling: SamplingConfig = SamplingConfig(), max_context: int = 4096,
@@ -269,7 +354,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
                  compact: bool = True, grow_cache: bool = True, cache_dtype=jnp.float32,
                  replicas: int = 1, rows: Sequence[int] | None = None,
                  on_ended: Callable[[int], None] | None = None, history_turns: int = 0,
-                 invalid_action_reward: float = 0.0) -> tuple[Trajectory, dict[str, Any]]:
+                 invalid_action_reward: float = 0.0, overlap_env: bool = False,
+                 check_every: int = 8) -> tuple[Trajectory, dict[str, Any]]:
   """Runs len(task_ids) * group_size episodes to the end and returns them as a Trajectory.
 
   Args:
@@ -277,7 +363,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     tok: the ChatTokenizer of the model.
     pool: an `environments.workers.EnvPool`, or anything with its `reset(task_ids)` /
       `step(slots, responses)` interface returning outcomes with observation, reward,
-      terminated, truncated, info. Slots 0..B-1 are (re)started here.
+      terminated, truncated, info (and `submit` / `collect` for `overlap_env`; without them
+      a submitted step runs when it is collected). Slots 0..B-1 are (re)started here.
     task_ids: tasks; each runs `group_size` times (rows i*n .. i*n+n-1 share group_id i).
     max_turns: agent turns per episode at most (the horizon).
     sampling: temperature / top-p / top-k / per-turn token cap.
@@ -299,22 +386,28 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     rows: which of the len(task_ids) * group_size episodes to run, in order (default all); the
       trajectory then holds these rows only, with their group ids and random keys of the whole
       batch.
-    on_ended: called after the openings and after every turn with the number of episodes
-      that ended there (e.g. a progress bar's `update`).
+    on_ended: called after the openings and whenever episodes end, with their number (e.g. a
+      progress bar's `update`).
     history_turns: k, the turns a turn's context keeps after the opening (rollout/window.py);
       0 keeps them all. The trajectory still holds each episode whole.
     invalid_action_reward: added to the reward of each turn whose action the environment
       refused (`info["invalid_action"]`); success and score are the environment's.
+    overlap_env: decode the other rows while environments step a finished turn (see the
+      module docstring); False runs turns in lock-step.
+    check_every: with `overlap_env`, tokens decoded between two looks at which turns ended.
 
   Returns:
-    The Trajectory [B, L] (B = len(task_ids) * group_size) and stats: rollout throughput, plus
-    "turn_seconds" (wall time of each turn) and "episodes" (the host-side `Episode` records,
-    with stop reasons and the conversation as text).
+    The Trajectory [B, L] (B = len(task_ids) * group_size) and stats: rollout throughput,
+    "rollout/env_seconds" (time the host waited for the environments), "turn_seconds" (wall
+    time of each lock-step turn; empty when overlapped) and "episodes" (the host-side
+    `Episode` records, with stop reasons and the conversation as text).
   """
   if group_size < 1 or max_turns < 1:
     raise ValueError(f"group_size and max_turns must be >= 1, got {group_size}, {max_turns}.")
   if history_turns < 0:
     raise ValueError(f"history_turns must be >= 0 (0 keeps every turn), got {history_turns}.")
+  if check_every < 1:
+    raise ValueError(f"check_every must be >= 1 token, got {check_every}.")
   start = time.perf_counter()
   key = _as_key(rng)
   episodes = [Episode(task_id=int(t), group_id=g)
@@ -331,28 +424,12 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
   if acknowledgement is None:
     acknowledgement = getattr(getattr(pool, "env_cls", None), "acknowledgement",
                               DEFAULT_ACKNOWLEDGEMENT)
-  cap = sampling.max_reply_tokens
-  eot = tok.end_of_turn_ids[0]
-  end_ids = tuple(tok.end_of_turn_ids)
-
-  # ----- reset and openings -------------------------------------------------------------
-  outcomes = pool.reset([e.task_id for e in episodes])
-  running = np.zeros(num, bool)
-  for i, (e, out) in enumerate(zip(episodes, outcomes)):
-    e.messages = opening_messages(out.info, out.observation, system_prompt, acknowledgement)
-    e.category = out.info.get("category")
-    e.append(tok.encode_opening(e.messages), turn=-1)
-    if "error" in out.info:
-      e.fail(out.info)
-    elif out.terminated or out.truncated:
-      e.finish("terminated", terminated=out.terminated, truncated=out.truncated)
-    elif len(e.tokens) + cap > max_context:
-      e.finish("context", truncated=True)
-    else:
-      running[i] = True
-      e.anchors.append(anchor_id(out.observation, out.info))
+  host = _Episodes(episodes, tok, sampling, max_turns, max_context, max_chunk, history_turns,
+                   invalid_action_reward)
+  for i, out in enumerate(pool.reset([e.task_id for e in episodes])):
+    host.open(i, out, system_prompt, acknowledgement)
   if on_ended is not None:
-    on_ended(num - int(running.sum()))
+    on_ended(num - int(host.running.sum()))
 
   limit = -(-max_context // 128) * 128
   episode_keys = jax.random.split(key, total)[rows]
@@ -361,107 +438,23 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
                                    np.array_split(np.arange(num), replicas)):
     if len(members) == 0:
       continue
-    replica_state = state if replicas == 1 else _state_on(state, replica_mesh)
-    shards = _shards(replica_mesh)
-    batch = _Batch(graphdef, replica_state, -(-len(members) // shards) * shards, limit,
-                   grow_cache, replica_mesh, cache_dtype)
+    replica_state = state if replicas == 1 else state_on(state, replica_mesh)
+    shards = shards_of(replica_mesh)
+    batch = DecodeBatch(graphdef, replica_state, -(-len(members) // shards) * shards, limit,
+                        grow_cache, replica_mesh, cache_dtype, sampling.max_reply_tokens)
     batch.assign(members, episode_keys)
     batches.append(batch)
-  in_cache = np.zeros(num, np.int64)  # tokens of each episode's context in its cache row
-  # Where the window held in each cache row starts in the episode's tokens (the first kept
-  # turn's first token): when the next context starts elsewhere, the row is rewound.
-  window_start = np.zeros(num, np.int64)
-  ended_on_cap = np.zeros(num, bool)
-  turn_seconds, env_seconds, sampled = [], 0.0, 0
 
-  for turn in range(max_turns):
-    if not running.any():
-      break
-    turn_start = time.perf_counter()
-    num_running = int(running.sum())
-    # Dispatch every replica's extend and decode first; they run while the next is queued.
-    turns = []
-    for batch in batches:
-      live = np.asarray([ep >= 0 and running[ep] for ep in batch.episode_of_row])
-      if not live.any():
-        continue
-      if compact and live.sum() * 2 <= batch.rows:
-        target = batch.rows
-        while (target % 2 == 0 and (target // 2) % batch.shards == 0
-               and live.sum() * 2 <= target):
-          target //= 2
-        if target < batch.rows:
-          batch.compact(np.flatnonzero(live), target)
-      row_eps = batch.episode_of_row
-      active = np.asarray([ep >= 0 and running[ep] for ep in row_eps])
-      held = np.where(row_eps >= 0, in_cache[row_eps], 0)  # tokens in each cache row
-      keep, chunks = held.copy(), [[] for _ in row_eps]
-      for row, ep in enumerate(row_eps):
-        if active[row]:
-          keep[row], chunks[row], window_start[ep] = _next_chunk(
-              episodes[ep], in_cache[ep], window_start[ep], history_turns)
-      if (keep < held).any():
-        batch.rewind(keep < held, keep)
-      batch.extend(chunks, keep, max_chunk, tok.pad_id)
-      for row, ep in enumerate(row_eps):
-        if active[row]:
-          in_cache[ep] = keep[row] + len(chunks[row])
-      keys = _turn_keys(batch.keys, np.int32(turn))
-      reach = int(max(in_cache[ep] for ep, act in zip(row_eps, active) if act)) + cap
-      turns.append((row_eps, active, batch.decode(
-          active, keys, np.full(batch.rows, cap, np.int32), reach, end_ids, sampling)))
-
-    slots, responses = [], []
-    samples = jax.device_get([sample for _, _, sample in turns])
-    for (row_eps, active, _), (tokens, logprobs, counts) in zip(turns, samples):
-      for row, ep in enumerate(row_eps):
-        if not active[row]:
-          continue
-        e, n = episodes[ep], int(counts[row])
-        ids = tokens[row, :n].tolist()
-        e.append(ids, turn=turn, logprobs=logprobs[row, :n])
-        in_cache[ep] += n - 1  # the last sampled token is fed with the next chunk
-        sampled += n
-        ended_on_cap[ep] = ids[-1] not in end_ids
-        reply = ids if ended_on_cap[ep] else ids[:-1]
-        text = tok.decode(reply)
-        e.messages.append({"role": "assistant", "content": text})
-        slots.append(ep)
-        responses.append(text)
-    env_start = time.perf_counter()
-    outcomes = pool.step(slots, responses)
-    env_seconds += time.perf_counter() - env_start
-
-    for ep, out in zip(slots, outcomes):
-      e = episodes[ep]
-      e.record_step(out.reward, out.info, invalid_action_reward)
-      e.messages.append({"role": "user", "content": out.observation})
-      e.actions.append(out.info.get("action"))
-      if "error" in out.info:
-        e.fail(out.info)
-      elif out.terminated or out.truncated:
-        e.finish("terminated" if out.terminated else "env_truncated",
-                 terminated=out.terminated, truncated=out.truncated)
-      elif e.num_turns >= max_turns:
-        e.finish("max_turns", truncated=True)
-      else:
-        # A reply cut off by the cap is closed with the end-of-turn token it never sampled
-        # (loss_mask 0), so the next turn sees a well-formed conversation.
-        chunk = ([eot] if ended_on_cap[ep] else []) + tok.encode_observation(out.observation)
-        if _next_context_length(e, len(chunk), history_turns) + cap > max_context:
-          e.finish("context", truncated=True)
-        else:
-          e.append(chunk, turn=turn)
-          e.anchors.append(anchor_id(out.observation, out.info))
-      running[ep] = not e.stop_reason
-    turn_seconds.append(time.perf_counter() - turn_start)
-    if on_ended is not None:
-      on_ended(num_running - int(running.sum()))
+  if overlap_env:
+    turn_seconds, env_seconds = [], _overlapped(host, batches, pool, compact, on_ended,
+                                                check_every)
+  else:
+    turn_seconds, env_seconds = _lockstep(host, batches, pool, compact, on_ended)
 
   traj = build_trajectory(episodes, tok.pad_id)
   # Outcome statistics of the episodes come from `train.metrics.episode_metrics`.
   stats: dict[str, Any] = {
-      "rollout/sampled_tokens": sampled,
+      "rollout/sampled_tokens": host.sampled,
       "rollout/seconds": time.perf_counter() - start,
       "rollout/env_seconds": env_seconds,
       "turn_seconds": turn_seconds,

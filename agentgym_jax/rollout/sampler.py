@@ -5,9 +5,13 @@ The two compiled programs of a rollout:
 * `extend(graphdef, state, cache, logits, tokens, num_new)` appends a right-padded chunk
   [B, T] to every row of the cache at that row's own fill level (prefill of the opening, or
   the observation that follows a turn) and returns the next-token logits of each row.
-* `decode(graphdef, state, cache, logits, active, keys, caps, end_ids, sampling)` samples one
-  agent turn for every active row inside ONE `lax.while_loop`: sample, feed the token back,
-  repeat until every row has produced an end-of-turn token or reached its cap.
+* `decode(graphdef, state, cache, logits, turn, caps, end_ids, sampling, steps)` samples the
+  running rows' turns inside ONE `lax.while_loop`: sample, feed the token back, repeat until
+  every row has produced an end-of-turn token or reached its cap, or `steps` tokens.
+
+`decode` takes and returns a `Turn`, each row's progress through its turn, and stops after a
+given number of steps: one call per turn samples in lock-step, shorter calls let rows whose
+turn ended hand their reply to the environment while the others keep decoding.
 
 Both run the model's own cached forward (`Decoder.extend`) on its `models.KVCache`: the
 sampler adds sampling and stopping, no attention or cache code of its own.
@@ -39,7 +43,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from agentgym_jax.models import KVCache
 from agentgym_jax.rollout.trajectory import bucket_length
@@ -201,62 +205,108 @@ def extend(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax
   return cache, jnp.where((num_new > 0)[:, None], new_logits, logits)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "end_ids", "sampling"),
-                   donate_argnames=("cache",))
-def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax.Array,
-           active: jax.Array, keys: jax.Array, caps: jax.Array, end_ids: tuple[int, ...],
-           sampling: SamplingConfig) -> tuple[KVCache, jax.Array, jax.Array, jax.Array]:
-  """Samples one agent turn for every active row, in one while loop.
+@struct.dataclass
+class Turn:
+  """Where each row stands in its current agent turn (device arrays, B rows).
 
-  Step i draws token i of every unfinished row from its current logits with key
-  fold_in(keys[b], i); a row finishes on any `end_ids` token or after caps[b] tokens. Tokens of
-  unfinished rows are fed back (extend with T = 1; finished rows do not advance).
+  Attributes:
+    keys: [B] typed PRNG keys of the row's turn; its i-th token is drawn with
+      fold_in(keys[b], i).
+    tokens: [B, N] int32, the turn's sampled tokens (0 past counts[b]); N = max_reply_tokens.
+    logprobs: [B, N] float32, their sampling log-probs (0 past counts[b]).
+    counts: [B] int32, tokens sampled in this turn so far.
+    running: [B] bool, rows still sampling this turn.
+  """
+
+  keys: jax.Array
+  tokens: jax.Array
+  logprobs: jax.Array
+  counts: jax.Array
+  running: jax.Array
+
+  @classmethod
+  def idle(cls, keys: jax.Array, max_reply_tokens: int) -> Turn:
+    """No row sampling; `keys` [B] only give the shape."""
+    b = keys.shape[0]
+    return cls(keys=keys, tokens=jnp.zeros((b, max_reply_tokens), jnp.int32),
+               logprobs=jnp.zeros((b, max_reply_tokens), jnp.float32),
+               counts=jnp.zeros((b,), jnp.int32), running=jnp.zeros((b,), bool))
+
+
+@jax.jit
+def start_turns(turn: Turn, starting: jax.Array, episode_keys: jax.Array,
+                turn_numbers: jax.Array) -> Turn:
+  """Rows `starting` [B] bool begin a turn: key fold_in(episode_keys[b], turn_numbers[b]),
+  nothing sampled yet. Other rows are left as they are (mid-turn, finished or idle)."""
+  keys = jax.vmap(jax.random.fold_in)(episode_keys, turn_numbers)
+  fresh = starting[:, None]
+  return Turn(keys=jnp.where(starting, keys, turn.keys),
+              tokens=jnp.where(fresh, 0, turn.tokens),
+              logprobs=jnp.where(fresh, 0.0, turn.logprobs),
+              counts=jnp.where(starting, 0, turn.counts),
+              running=starting | turn.running)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "end_ids", "sampling", "steps"),
+                   donate_argnames=("cache", "logits", "turn"))
+def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax.Array,
+           turn: Turn, caps: jax.Array, end_ids: tuple[int, ...], sampling: SamplingConfig,
+           steps: int) -> tuple[KVCache, jax.Array, Turn]:
+  """Samples up to `steps` tokens of every running row's turn, in one while loop.
+
+  A step draws the next token of every running row from its current logits (the row's i-th
+  token of the turn with key fold_in(turn.keys[b], i)); a row stops on any `end_ids` token or
+  after caps[b] tokens; the rows still running are then fed their token (extend with T = 1;
+  the others do not advance). The loop ends after `steps` steps or when no row runs, so one
+  call with steps = max_reply_tokens samples whole turns, and shorter calls let a caller act
+  on the rows that finished between them (`rollout.episodes` overlaps environment steps so).
 
   Args:
     graphdef, state: `nnx.split(decoder)`.
     cache: KVCache holding everything before `logits` (donated).
-    logits: [B, V] float32, next-token logits of each row (from `extend`).
-    active: [B] bool, rows that sample a turn.
-    keys: [B] typed PRNG keys, one per row for this turn.
+    logits: [B, V] float32, each running row's next-token logits (donated).
+    turn: the rows' Turn (donated); see `start_turns`.
     caps: [B] int32, per-row token cap, 1..sampling.max_reply_tokens.
     end_ids: end-of-turn token ids.
     sampling: the SamplingConfig (static).
+    steps: most tokens sampled per row in this call (static).
 
   Returns:
-    cache (the last sampled token of each row is not in it), tokens [B, N] int32,
-    logprobs [B, N] float32 (N = sampling.max_reply_tokens; entries past a row's count are
-    0), counts [B] int32 (tokens sampled per row; 0 for inactive rows).
+    cache (a row's last sampled token of a finished turn is not in it), logits [B, V] and
+    the Turn after these steps.
   """
   model = nnx.merge(graphdef, state)
-  b, n = logits.shape[0], sampling.max_reply_tokens
+  n = turn.tokens.shape[1]
   ends = jnp.asarray(end_ids, jnp.int32)
   caps = jnp.minimum(caps, n)
+  column = jnp.arange(n)[None, :]
 
-  def draw(i, step_logits, running, tokens, logprobs, counts):
-    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, i)
-    tok, lp = sample_tokens(step_logits, step_keys, sampling)
-    tokens = tokens.at[:, i].set(jnp.where(running, tok, 0))
-    logprobs = logprobs.at[:, i].set(jnp.where(running, lp, 0.0))
-    counts = counts + running.astype(jnp.int32)
+  def draw(step_logits, turn):
+    keys = jax.vmap(jax.random.fold_in)(turn.keys, turn.counts)
+    tok, lp = sample_tokens(step_logits, keys, sampling)
+    here = turn.running[:, None] & (column == turn.counts[:, None])
+    counts = turn.counts + turn.running.astype(jnp.int32)
     stop = jnp.any(tok[:, None] == ends[None, :], axis=-1) | (counts >= caps)
-    return tok, tokens, logprobs, counts, running & ~stop
+    return tok, turn.replace(tokens=jnp.where(here, tok[:, None], turn.tokens),
+                             logprobs=jnp.where(here, lp[:, None], turn.logprobs),
+                             counts=counts, running=turn.running & ~stop)
 
-  tokens = jnp.zeros((b, n), jnp.int32)
-  logprobs = jnp.zeros((b, n), jnp.float32)
-  counts = jnp.zeros((b,), jnp.int32)
-  tok, tokens, logprobs, counts, running = draw(0, logits, active, tokens, logprobs, counts)
+  def feed(tok, running, cache, step_logits):
+    new_logits, cache = _last_logits(model, tok[:, None], running.astype(jnp.int32), cache)
+    return cache, jnp.where(running[:, None], new_logits, step_logits)
 
   def cond(carry):
-    i, _, _, _, _, _, running = carry
-    return (i < n) & jnp.any(running)
+    i, _, _, turn = carry
+    return (i < steps) & jnp.any(turn.running)
 
   def body(carry):
-    i, cache, tok, tokens, logprobs, counts, running = carry
-    step_logits, cache = _last_logits(model, tok[:, None], running.astype(jnp.int32), cache)
-    tok, tokens, logprobs, counts, running = draw(i, step_logits, running, tokens, logprobs,
-                                                  counts)
-    return i + 1, cache, tok, tokens, logprobs, counts, running
+    i, cache, step_logits, turn = carry
+    tok, turn = draw(step_logits, turn)
+    # No forward once every row has stopped (the end of every turn).
+    cache, step_logits = jax.lax.cond(
+        jnp.any(turn.running), feed, lambda tok, running, cache, lg: (cache, lg),
+        tok, turn.running, cache, step_logits)
+    return i + 1, cache, step_logits, turn
 
-  carry = (jnp.int32(1), cache, tok, tokens, logprobs, counts, running)
-  _, cache, _, tokens, logprobs, counts, _ = jax.lax.while_loop(cond, body, carry)
-  return cache, tokens, logprobs, counts
+  _, cache, logits, turn = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, logits, turn))
+  return cache, logits, turn

@@ -86,7 +86,8 @@ def sample_batch(config: ml_collections.ConfigDict, policy_def: Any, params: Any
       max_turns=max_turns, sampling=sampling, max_context=config.rollout.max_context, rng=rng,
       system_prompt=config.env.system_prompt or None, mesh=mesh,
       replicas=config.rollout.replicas, rows=rows, history_turns=config.rollout.history_turns,
-      invalid_action_reward=config.env.invalid_action_reward)
+      invalid_action_reward=config.env.invalid_action_reward,
+      overlap_env=config.rollout.overlap_env, check_every=config.rollout.check_every)
 
 
 def check_batch_layout(config: ml_collections.ConfigDict, mesh: Mesh) -> None:

@@ -14,12 +14,15 @@ earns more. Rewards are the same in both reward modes.
 
 `filler_words` appends that many filler words to every observation (benchmarks need long
 observations), and `vary_filler` varies the count per step, so observation lengths differ.
+`step_latency_s` makes every step wait that long (sleeping, as a call to a remote server
+waits), to measure how a rollout copes with slow environments.
 """
 
 from __future__ import annotations
 
 import random
 import re
+import time
 from typing import Any
 
 from environments.base import TextEnv
@@ -43,12 +46,15 @@ class ScriptedEnv(TextEnv):
   acknowledgement = "OK. I'll follow your instructions and try my best to solve the task."
 
   def __init__(self, reward_mode: str = "normalized", max_steps: int = 3,
-               filler_words: int = 0, vary_filler: bool = False):
+               filler_words: int = 0, vary_filler: bool = False, step_latency_s: float = 0.0):
     super().__init__(reward_mode)
     if max_steps < 1:
       raise ValueError(f"max_steps must be >= 1, got {max_steps}.")
     if filler_words < 0:
       raise ValueError(f"filler_words must be >= 0, got {filler_words}.")
+    if step_latency_s < 0:
+      raise ValueError(f"step_latency_s must be >= 0 seconds, got {step_latency_s}.")
+    self.step_latency_s = step_latency_s
     self.max_steps = max_steps
     self.filler_words = filler_words
     self.vary_filler = vary_filler
@@ -79,6 +85,8 @@ class ScriptedEnv(TextEnv):
     return observation + self._filler(), {"boxes": list(self.boxes)}
 
   def _step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
+    if self.step_latency_s:
+      time.sleep(self.step_latency_s)
     self.steps += 1
     words = action.lower().split()
     box = words[1] if len(words) == 2 and words[0] == "open" else None
