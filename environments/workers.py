@@ -24,6 +24,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import pickle
@@ -31,6 +32,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -171,10 +173,12 @@ def _picklable(info: dict[str, Any]) -> dict[str, Any]:
 
 def _worker_main(conn: mp_connection.Connection, env_spec: EnvSpec, env_kwargs: dict[str, Any],
                  threads: int) -> None:
-  """Serves ("reset" | "step", [(slot, arg), ...]) batches until "close" or the parent leaves.
+  """Serves (call id, "reset" | "step", [(slot, arg), ...]) calls until "close" or the parent
+  leaves, answering each with (call id, outcomes).
 
-  With `threads` > 1 the slots of a batch run concurrently (each slot in one thread at a
-  time), which overlaps environments that wait outside Python.
+  With `threads` > 1 the slots run concurrently, those of one call and those of calls sent
+  while earlier ones are still running (each slot in one thread at a time), which overlaps
+  environments that wait outside Python; a call is answered as soon as its own slots are done.
   """
   # Ctrl-C goes to the parent, which shuts the pool down in order.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -184,10 +188,35 @@ def _worker_main(conn: mp_connection.Connection, env_spec: EnvSpec, env_kwargs: 
   conn.send("ready")
   slots = _Slots(env_spec, env_kwargs)
   executor = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
+  send_lock = threading.Lock()
+
+  def answer(call_id: int, results: list[StepOutcome]) -> None:
+    # Plain tuples pickle about 3x faster than the dataclass: it matters for cheap envs.
+    reply = [(r.observation, r.reward, r.terminated, r.truncated, r.info) for r in results]
+    with send_lock, contextlib.suppress(OSError):  # the parent has gone: nothing to answer
+      try:
+        conn.send((call_id, reply))
+      except (pickle.PicklingError, TypeError, AttributeError):
+        # An env put an object that cannot cross processes into its info; send its repr.
+        conn.send((call_id, [fields[:4] + (_picklable(fields[4]),) for fields in reply]))
+
+  def answer_when_done(call_id: int, futures: list[concurrent.futures.Future]) -> None:
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_):
+      with lock:
+        remaining[0] -= 1
+        last = remaining[0] == 0
+      if last:
+        answer(call_id, [f.result() for f in futures])
+    for future in futures:
+      future.add_done_callback(one_done)
+
   try:
     while True:
       try:
-        command, batch = conn.recv()
+        call_id, command, batch = conn.recv()
       except (EOFError, OSError):
         break
       if command == "close":
@@ -195,17 +224,10 @@ def _worker_main(conn: mp_connection.Connection, env_spec: EnvSpec, env_kwargs: 
       if command not in ("reset", "step"):
         raise ValueError(f"Unknown pool command {command!r}.")
       run = slots.reset if command == "reset" else slots.step
-      if executor is not None and len(batch) > 1:
-        results = list(executor.map(run, *zip(*batch)))
+      if executor is None:
+        answer(call_id, [run(slot, arg) for slot, arg in batch])
       else:
-        results = [run(slot, arg) for slot, arg in batch]
-      # Plain tuples pickle about 3x faster than the dataclass: it matters for cheap envs.
-      reply = [(r.observation, r.reward, r.terminated, r.truncated, r.info) for r in results]
-      try:
-        conn.send(reply)
-      except (pickle.PicklingError, TypeError, AttributeError):
-        # An env put an object that cannot cross processes into its info; send its repr.
-        conn.send([fields[:4] + (_picklable(fields[4]),) for fields in reply])
+        answer_when_done(call_id, [executor.submit(run, slot, arg) for slot, arg in batch])
   finally:
     if executor is not None:
       executor.shutdown(wait=False, cancel_futures=True)
@@ -284,7 +306,7 @@ class _Worker:
   def close(self) -> None:
     # A worker that is already dead or does not exit in time is killed below either way.
     with contextlib.suppress(OSError, ValueError, subprocess.TimeoutExpired):
-      self.conn.send(("close", None))
+      self.conn.send((-1, "close", None))
       self.process.wait(_CLOSE_GRACE_S)
     self.kill()
 
@@ -344,7 +366,9 @@ class EnvPool:
     self._task_ids: dict[int, int] = {}
     self._built: set[int] = set()  # slots whose worker holds a built environment
     self._workers: list[_Worker] = []
-    self._calls: dict[int, collections.deque[_Call]] = collections.defaultdict(collections.deque)
+    # Per worker, the calls it has not answered yet, by call id (oldest first).
+    self._calls: dict[int, dict[int, _Call]] = collections.defaultdict(dict)
+    self._call_ids = itertools.count()
     self._done: list[tuple[int, StepOutcome]] = []  # answered, not yet returned
     # Runs at close(), at garbage collection and at interpreter exit, whichever comes first.
     self._finalizer = weakref.finalize(self, _shutdown, self._workers)
@@ -411,7 +435,7 @@ class EnvPool:
   def in_flight(self) -> int:
     """Slots submitted whose outcome `collect` has not returned yet."""
     return len(self._done) + sum(len(call.requests) for calls in self._calls.values()
-                                 for call in calls)
+                                 for call in calls.values())
 
   def worker_pid(self, slot: int) -> int:
     """The process id of the worker that hosts `slot` (for monitoring and tests)."""
@@ -428,8 +452,8 @@ class EnvPool:
     self.close()
 
   # ----- calls to the workers ----------------------------------------------------------------
-  # Each worker answers its calls in the order they were sent; `_calls[w]` holds the calls
-  # worker w still owes, oldest first, so every answer is matched to its call.
+  # A worker answers each call with its id (in any order when it runs calls concurrently);
+  # `_calls[w]` holds the calls worker w still owes.
 
   @staticmethod
   def _step_requests(slots: Sequence[int], responses: Sequence[str]) -> list[tuple[int, str]]:
@@ -464,7 +488,7 @@ class EnvPool:
   def _send(self, command: str, requests: list[tuple[int, Any]], limit: float) -> None:
     if not self._finalizer.alive:
       raise RuntimeError("EnvPool is closed; create a new one.")
-    busy = {slot for calls in self._calls.values() for call in calls
+    busy = {slot for calls in self._calls.values() for call in calls.values()
             for slot, _ in call.requests} | {slot for slot, _ in self._done}
     seen: set[int] = set()
     for slot, _ in requests:
@@ -478,11 +502,12 @@ class EnvPool:
     now = time.monotonic()
     for index, batch in batches.items():
       calls = self._calls[index]
-      # A call starts when the worker has answered the ones before it.
-      deadline = max([now] + [call.deadline for call in calls]) + limit
-      calls.append(_Call(command, batch, deadline, limit))
+      # At the latest, a call starts when the worker has answered the ones before it.
+      deadline = max([now] + [call.deadline for call in calls.values()]) + limit
+      call_id = next(self._call_ids)
+      calls[call_id] = _Call(command, batch, deadline, limit)
       try:
-        self._workers[index].conn.send((command, batch))
+        self._workers[index].conn.send((call_id, command, batch))
       except (OSError, ValueError):
         self._fail_worker(index, f"could not send {command} to it", "worker_crash")
 
@@ -491,19 +516,19 @@ class EnvPool:
     owing = {self._workers[index].conn: index
              for index, calls in self._calls.items() if calls}
     if owing and not self._done:
-      wait = min(calls[0].deadline for calls in self._calls.values() if calls)
+      wait = min(call.deadline for calls in self._calls.values() for call in calls.values())
       wait -= time.monotonic()
       if timeout_s is not None:
         wait = min(wait, timeout_s)
       for conn in mp_connection.wait(list(owing), max(0.0, wait)):
         index = owing[conn]
-        call = self._calls[index][0]
         try:
-          results = conn.recv()
+          call_id, results = conn.recv()
         except (EOFError, OSError):
-          self._fail_worker(index, f"it died during {call.command}", "worker_crash")
+          command = next(iter(self._calls[index].values())).command
+          self._fail_worker(index, f"it died during {command}", "worker_crash")
           continue
-        self._calls[index].popleft()
+        call = self._calls[index].pop(call_id)
         for (slot, arg), fields in zip(call.requests, results):
           outcome = StepOutcome(*fields)
           if outcome.failed:
@@ -515,9 +540,10 @@ class EnvPool:
           self._done.append((slot, outcome))
       now = time.monotonic()
       for index, calls in self._calls.items():
-        if calls and calls[0].deadline <= now:
-          self._fail_worker(index, f"it did not answer {calls[0].command} within "
-                                   f"{calls[0].limit:g} s (timeout_s={self.timeout_s:g})",
+        late = [call for call in calls.values() if call.deadline <= now]
+        if late:
+          self._fail_worker(index, f"it did not answer {late[0].command} within "
+                                   f"{late[0].limit:g} s (timeout_s={self.timeout_s:g})",
                             "step_timeout")
     done, self._done = self._done, []
     return done
@@ -527,7 +553,7 @@ class EnvPool:
     reason = self._replace(index, why)
     calls = self._calls[index]
     while calls:
-      call = calls.popleft()
+      call = calls.pop(next(iter(calls)))
       # A reset that did not happen is a failed reset, whatever stopped the worker.
       kind = "reset_failed" if call.command == "reset" else failure
       self._done.extend(

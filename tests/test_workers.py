@@ -109,6 +109,17 @@ def test_submitted_steps_come_back_as_each_worker_answers(pool):
   assert pool.step([2], ["Action: inc"])[0].observation == "Count 1."
 
 
+def test_a_worker_with_threads_answers_a_later_call_before_a_slow_earlier_one():
+  with EnvPool(CounterEnv, num_workers=1, threads_per_worker=2, timeout_s=20.0) as pool:
+    pool.reset([4, 4])
+    pool.submit([0], ["Action: sleep 1.5"])
+    start = time.monotonic()
+    pool.submit([1], ["Action: inc"])
+    assert [(slot, out.observation) for slot, out in pool.collect(None)] == [(1, "Count 1.")]
+    assert time.monotonic() - start < 1.0
+    assert [(slot, out.observation) for slot, out in pool.collect(None)] == [(0, "Slept.")]
+
+
 def test_a_submitted_step_past_its_limit_fails_and_the_worker_is_replaced():
   with EnvPool(CounterEnv, num_workers=2, timeout_s=2.0) as pool:
     pool.reset([4, 4])
