@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import statistics
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +26,7 @@ from flax import nnx
 
 from agentgym_jax.models import Decoder, ModelConfig, save_hf
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
+from flops import matmul_peak, timed, train_flops_per_step  # benchmarks/flops.py
 
 SIZES = {
     # ~3.4M parameters, batch 16 x 256.
@@ -39,31 +39,6 @@ SIZES = {
                         model_type="llama"),
             8, 256),
 }
-
-
-def matmul_peak(n: int = 2048, reps: int = 3):
-  """Returns fn() -> best-of-`reps` f32 FLOP/s of a jitted n x n x n matmul, measured now."""
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
-  return lambda: 2 * n ** 3 / min(_timed(lambda: f(a).block_until_ready())
-                                  for _ in range(reps))
-
-
-def _timed(fn) -> float:
-  start = time.perf_counter()
-  fn()
-  return time.perf_counter() - start
-
-
-def train_flops_per_step(cfg: ModelConfig, batch: int, length: int) -> float:
-  """6 x matmul parameters x tokens, plus attention scores and mixing (12 L T H Dh per token)."""
-  # The embedding gather is free; the LM head is a V x H matmul (the same matrix when tied,
-  # which num_params counts once).
-  embed = cfg.vocab_size * cfg.hidden_size
-  matmul_params = cfg.num_params - embed + (embed if cfg.tie_embeddings else 0)
-  per_token = 6 * matmul_params + 12 * cfg.num_layers * length * cfg.num_heads * cfg.head_dim
-  return per_token * batch * length
 
 
 def make_batch(cfg: ModelConfig, batch: int, length: int):
@@ -130,10 +105,10 @@ def bench_size(name: str, rounds: int, steps: int, peak, remat: bool) -> float:
   for _ in range(rounds):
     # The peak is re-measured every round: other jobs on the machine move it a lot.
     round_peak = peak()
-    seconds = _timed(lambda: [jax.block_until_ready(jstep(state, jt, jv)) for _ in range(steps)])
+    seconds = timed(lambda: [jax.block_until_ready(jstep(state, jt, jv)) for _ in range(steps)])
     jax_rates.append(steps * tokens_per_step / seconds)
     fractions.append(steps * flops_per_step / seconds / round_peak)
-    seconds = _timed(lambda: [tstep(tt, tv) for _ in range(steps)])
+    seconds = timed(lambda: [tstep(tt, tv) for _ in range(steps)])
     torch_rates.append(steps * tokens_per_step / seconds)
   jax_rate, torch_rate = statistics.median(jax_rates), statistics.median(torch_rates)
   flops = flops_per_step * jax_rate / tokens_per_step

@@ -14,7 +14,8 @@ does it (eager, float32). Before timing, the first step's loss of both must agre
 
   python benchmarks/update_bench.py [--rows 8] [--length 512] [--repeats 5]
 
-Throughput counts every token of the [rows, length] batch per update. Last line:
+Throughput counts every token of the [rows, length] batch per update; also printed: both as a
+fraction of an f32 matmul peak measured in the same run (benchmarks/flops.py). Last line:
 `ratio: <ours tokens/s / torch tokens/s>`.
 """
 
@@ -37,6 +38,7 @@ from agentgym_jax.train import config as base
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import update as update_lib
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
+from flops import matmul_peak, train_flops_per_step  # benchmarks/flops.py
 
 KL_COEF, ENTROPY_COEF, CLIP, LR = 1e-3, 1e-3, 0.2, 1e-5
 
@@ -157,12 +159,18 @@ def main():
     torch_step()
     ref.append(time.perf_counter() - start)
   ours_s, ref_s = statistics.median(ours), statistics.median(ref)
+  peak = matmul_peak()()  # measured after the timed steps, in the same run
   print(f"model: {cfg.num_params / 1e6:.2f}M params (hidden {cfg.hidden_size}, {cfg.num_layers} "
         f"layers, vocab {cfg.vocab_size}); batch {args.rows} x {args.length} tokens, "
         f"{int(batch['loss_mask'].sum())} agent tokens; micro-batches {args.micro}; "
         f"torch threads {torch.get_num_threads()}, jax devices {jax.device_count()}")
   print(f"torch eager: {ref_s * 1e3:.1f} ms/update, {tokens_per_step / ref_s:.0f} tokens/s")
   print(f"ours (jit):  {ours_s * 1e3:.1f} ms/update, {tokens_per_step / ours_s:.0f} tokens/s")
+  # Forward and backward of the policy; the optimizer's elementwise work is not counted.
+  flops = train_flops_per_step(cfg, args.rows, args.length)
+  print(f"ours: {flops / ours_s / 1e9:.1f} GFLOP/s, {flops / ours_s / peak:.0%} of the f32 "
+        f"matmul peak ({peak / 1e9:.0f} GFLOP/s, 2048^3, measured in this run); torch "
+        f"{flops / ref_s / peak:.0%}")
   loadavg.report("end")
   print(f"ratio: {ref_s / ours_s:.2f}")
 
