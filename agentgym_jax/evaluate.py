@@ -224,8 +224,7 @@ def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef
           max_context=config.rollout.max_context, rng=jax.random.fold_in(rng, c),
           system_prompt=config.env.system_prompt or None, mesh=share.mesh,
           replicas=config.rollout.replicas, rows=rows, on_ended=progress.update,
-          history_turns=config.rollout.history_turns, overlap_env=config.rollout.overlap_env,
-          check_every=config.rollout.check_every)
+          history_turns=config.rollout.history_turns, overlap_env=config.rollout.overlap_env)
       ran = range(len(stats["episodes"])) if rows is None else rows.tolist()
       mine += [(c, row, e) for row, e in zip(ran, stats["episodes"])]
   gathered = sorted(itertools.chain.from_iterable(multihost.allgather_objects(mine)),

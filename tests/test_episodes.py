@@ -414,31 +414,34 @@ def test_overlapped_env_steps_sample_what_lockstep_samples(tok, model, monkeypat
   run = lambda pool, **kw: run_episodes(graphdef, state, tok, pool, [0, 1, 2, 3, 5, 6],
                                         group_size=2, max_turns=3, sampling=SAMPLING,
                                         max_context=1024, rng=3, **kw)
-  starts = []  # (rows starting a turn, rows mid-turn) of every start_turns call
-  real_start = sampler.start_turns
-  monkeypatch.setattr(sampler, "start_turns", lambda turn, starting, *rest: starts.append(
-      (np.asarray(starting), np.asarray(turn.running))) or real_start(turn, starting, *rest))
   lockstep, lock_stats = run(FakePool())
   assert len(lock_stats["turn_seconds"]) == 3
-  starts.clear()
-  overlapped, stats = run(FakePool(), overlap_env=True, check_every=3)
+  overlapped, stats = run(FakePool(), overlap_env=True)
   assert stats["turn_seconds"] == [] and stats["rollout/sampled_tokens"] == (
       lock_stats["rollout/sampled_tokens"])
-  # Rows started their next turn while other rows were still sampling theirs.
-  assert any((starting & ~running).any() and (running & ~starting).any()
-             for starting, running in starts)
-  # A real pool whose steps take 50 ms: rows wait for it while the others decode.
-  with EnvPool("scripted", num_workers=2, env_kwargs=dict(step_latency_s=0.05)) as pool:
+  # A real pool whose steps take 0.3 s: one cohort decodes while the other's steps run.
+  events = []
+  real_decode, real_collect = sampler.decode, EnvPool.collect
+  monkeypatch.setattr(sampler, "decode", lambda *args, **kwargs: events.append(
+      ("decode", set(np.flatnonzero(np.asarray(args[4].running))))) or real_decode(
+          *args, **kwargs))
+  with EnvPool("scripted", num_workers=1, threads_per_worker=12,
+               env_kwargs=dict(step_latency_s=0.3)) as pool:
+    monkeypatch.setattr(pool, "submit", lambda slots, responses, submit=pool.submit: (
+        events.append(("submit", set(slots))), submit(slots, responses))[1])
     scripted_lock, _ = run(pool, compact=False)
-    scripted_overlapped, _ = run(pool, overlap_env=True, check_every=4)
+    events.clear()
+    scripted_overlapped, _ = run(pool, overlap_env=True, compact=False)
+  # Cohorts of 6 rows: the second decodes right after the first's replies went out.
+  kinds = [kind for kind, _ in events]
+  assert kinds[:4] == ["decode", "decode", "submit", "submit"]
+  assert [len(rows) for _, rows in events[:4]] == [6, 6, 6, 6]
   for a, b in ((lockstep, overlapped), (scripted_lock, scripted_overlapped)):
     np.testing.assert_array_equal(b.tokens, a.tokens)
     np.testing.assert_array_equal(b.loss_mask, a.loss_mask)
     np.testing.assert_array_equal(b.num_turns, a.num_turns)
     np.testing.assert_allclose(b.sample_logprobs, a.sample_logprobs, atol=1e-4)
     np.testing.assert_allclose(b.rewards, a.rewards)
-  with pytest.raises(ValueError, match="check_every must be >= 1"):
-    run(FakePool(), overlap_env=True, check_every=0)
 
 
 def test_rows_run_a_share_of_the_batch_with_its_keys_and_groups(tok, model):

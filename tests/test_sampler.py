@@ -99,8 +99,7 @@ def _decode(model, end_ids, caps, active=None,
   turn = sampler.Turn.idle(_keys(b), sampling.max_reply_tokens).replace(
       running=jnp.asarray(active))
   cache, _, turn = sampler.decode(graphdef, state, cache, logits, turn,
-                                  np.asarray(caps, np.int32), end_ids, sampling,
-                                  sampling.max_reply_tokens)
+                                  np.asarray(caps, np.int32), end_ids, sampling)
   return cache, np.asarray(turn.tokens), np.asarray(turn.logprobs), np.asarray(turn.counts)
 
 

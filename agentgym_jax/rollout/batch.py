@@ -170,17 +170,15 @@ class DecodeBatch:
     self.turn = sampler.start_turns(self.turn, self._put(starting), self.keys,
                                     self._put(turn_numbers.astype(np.int32)))
 
-  def decode(self, reach: int, end_ids: tuple[int, ...], sampling: SamplingConfig,
-             steps: int) -> None:
-    """Samples up to `steps` tokens of the running rows' turns; `reach` bounds every running
-    row's length until its turn ends. Dispatched, not waited for: `self.turn` holds the
-    result once computed."""
+  def decode(self, reach: int, end_ids: tuple[int, ...], sampling: SamplingConfig) -> None:
+    """Samples the running rows' turns; `reach` bounds every running row's length until its
+    turn ends. Dispatched, not waited for: `self.turn` holds the result once computed."""
     self._fit(reach)
     caps = np.full(self.rows, sampling.max_reply_tokens, np.int32)
     with self._mesh_context():
       self.cache, self.logits, self.turn = sampler.decode(
           self.graphdef, self.state, self.cache, self.logits, self.turn, self._put(caps),
-          end_ids, sampling, steps)
+          end_ids, sampling)
 
   def compact(self, keep: np.ndarray, rows: int) -> None:
     """Keeps rows `keep` (in order) in a batch of `rows` rows."""

@@ -18,12 +18,14 @@ Two schedules (`overlap_env`):
 * lock-step (default): every running episode samples its turn, then the environments step
   them all together, then the next turn starts. Each turn waits for its slowest reply and its
   slowest environment.
-* overlapped: `decode` runs `check_every` tokens at a time; between calls, rows whose turn has
-  ended hand their reply to the pool (`EnvPool.submit`) and wait there while the other rows
-  keep decoding; an answered observation (`EnvPool.collect`) is appended to its row, which
-  then starts its next turn alongside the rows already mid-turn. The model is not idle while
-  slow environments (a JVM, a browser, a remote server) step. Samples are the same as in
-  lock-step: a row's draws depend on its own key, turn and token index only.
+* overlapped: each replica's episodes are split into two cohorts, each a batch that runs its
+  turns in lock-step, and the cohorts take turns on the device: while one cohort's replies are
+  with the environments (`EnvPool.submit`), the other cohort extends and decodes, and a cohort
+  starts its next turn as soon as its own observations are back (`EnvPool.collect`). The
+  device is not idle while slow environments (a JVM, a browser, a remote server) step; a
+  decode step over half the rows costs about half as much on CPU, so with instant
+  environments little is lost. Samples are the same as in lock-step: a row's draws depend on
+  its own key, turn and token index only.
 
 Episodes end when the environment terminates or truncates them, when the pool reports a fault
 (the episode is then marked failed, see rollout/trajectory.py), at `max_turns`, or when the
@@ -50,6 +52,7 @@ samples do not depend either on how many processes share it.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -169,10 +172,10 @@ class _Episodes:
                                for ep in row_eps])
     batch.start(starting, turn_numbers)
 
-  def decode(self, batch: DecodeBatch, sampling_rows: np.ndarray, steps: int) -> None:
-    """Dispatches up to `steps` tokens of the turns of rows `sampling_rows` [rows] bool."""
+  def decode(self, batch: DecodeBatch, sampling_rows: np.ndarray) -> None:
+    """Dispatches the turns of rows `sampling_rows` [rows] bool."""
     reach = int(self.in_cache[batch.episode_of_row[sampling_rows]].max()) + self.cap
-    batch.decode(reach, self.end_ids, self.sampling, steps)
+    batch.decode(reach, self.end_ids, self.sampling)
 
   def take_reply(self, ep: int, tokens: np.ndarray, logprobs: np.ndarray, count: int) -> str:
     """Records the `count` tokens episode `ep` sampled this turn; returns the reply's text."""
@@ -267,7 +270,7 @@ def _lockstep(host: _Episodes, batches: list[DecodeBatch], pool: Any, compact: b
         _compact(batch, live)
         live = host.live_rows(batch)
       host.start_turns(batch, live)
-      host.decode(batch, live, host.cap)
+      host.decode(batch, live)
       dispatched.append((batch, live))
     slots, responses = [], []
     turns = jax.device_get([(b.turn.tokens, b.turn.logprobs, b.turn.counts)
@@ -289,58 +292,54 @@ def _lockstep(host: _Episodes, batches: list[DecodeBatch], pool: Any, compact: b
 
 
 def _overlapped(host: _Episodes, batches: list[DecodeBatch], pool: Any, compact: bool,
-                on_ended: Callable[[int], None] | None, check_every: int) -> float:
-  """Rows decode while other rows' environments step (see the module docstring).
+                on_ended: Callable[[int], None] | None) -> float:
+  """Cohorts take turns: a batch decodes while the others' environments step.
 
-  Returns the seconds the host waited for the environments with no row left to decode.
+  Returns the seconds the host waited for the environments with no batch left to decode.
   """
   if not hasattr(pool, "submit"):
     pool = _BlockingSubmit(pool)
-  num = len(host.episodes)
-  ready = host.running.copy()  # the next turn can start (its context is known)
-  sampling = np.zeros(num, bool)  # mid-turn on the device
+  ready = list(range(len(batches)))  # batches whose next turn can start
+  decoding: collections.deque[tuple[int, np.ndarray]] = collections.deque()  # oldest first
+  owed = [0] * len(batches)  # environment steps a batch waits for
+  batch_of = {}  # episode -> its batch
   env_seconds = 0.0
   while host.running.any():
-    dispatched = []
-    for batch in batches:
+    for index in ready:
+      batch = batches[index]
       live = host.live_rows(batch)
       if not live.any():
         continue
       if compact and live.sum() * 2 <= batch.rows:
         _compact(batch, live)
-      row_eps = batch.episode_of_row
-      starting = (row_eps >= 0) & ready[np.maximum(row_eps, 0)]
-      if starting.any():
-        host.start_turns(batch, starting)
-        ready[row_eps[starting]] = False
-        sampling[row_eps[starting]] = True
-      decoding = (row_eps >= 0) & sampling[np.maximum(row_eps, 0)]
-      if decoding.any():
-        host.decode(batch, decoding, check_every)
-        dispatched.append((batch, decoding))
-    slots, responses = [], []
-    turns = jax.device_get([(b.turn.tokens, b.turn.logprobs, b.turn.counts, b.turn.running)
-                            for b, _ in dispatched])
-    for (batch, decoding), (tokens, logprobs, counts, still) in zip(dispatched, turns):
-      for row in np.flatnonzero(decoding & ~still):
-        ep = batch.episode_of_row[row]
-        sampling[ep] = False
-        slots.append(ep)
-        responses.append(host.take_reply(ep, tokens[row], logprobs[row], int(counts[row])))
-    if slots:
-      pool.submit(slots, responses)
-    # Poll while any row can decode; otherwise wait for the first answer.
-    idle = not (sampling.any() or ready.any())
+        live = host.live_rows(batch)
+      host.start_turns(batch, live)
+      host.decode(batch, live)
+      decoding.append((index, live))
+    ready = []
+    if decoding:
+      # The oldest batch's replies go to the environments while the next batch decodes.
+      index, live = decoding.popleft()
+      batch = batches[index]
+      tokens, logprobs, counts = jax.device_get(
+          (batch.turn.tokens, batch.turn.logprobs, batch.turn.counts))
+      slots = [int(ep) for ep in batch.episode_of_row[live]]
+      pool.submit(slots, [host.take_reply(ep, tokens[row], logprobs[row], int(counts[row]))
+                          for ep, row in zip(slots, np.flatnonzero(live))])
+      owed[index] = len(slots)
+      batch_of.update((ep, index) for ep in slots)
+    # Poll while a batch decodes; otherwise wait for the first answer.
     wait_start = time.perf_counter()
-    answered = pool.collect(None if idle else 0.0)
-    if idle:
+    answered = pool.collect(0.0 if decoding else None)
+    if not decoding:
       env_seconds += time.perf_counter() - wait_start
     ended = 0
     for ep, out in answered:
-      if host.record_step(ep, out):
-        ready[ep] = True
-      else:
-        ended += 1
+      ended += not host.record_step(ep, out)
+      index = batch_of.pop(ep)
+      owed[index] -= 1
+      if owed[index] == 0:
+        ready.append(index)
     if ended and on_ended is not None:
       on_ended(ended)
   return env_seconds
@@ -354,8 +353,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
                  compact: bool = True, grow_cache: bool = True, cache_dtype=jnp.float32,
                  replicas: int = 1, rows: Sequence[int] | None = None,
                  on_ended: Callable[[int], None] | None = None, history_turns: int = 0,
-                 invalid_action_reward: float = 0.0, overlap_env: bool = False,
-                 check_every: int = 8) -> tuple[Trajectory, dict[str, Any]]:
+                 invalid_action_reward: float = 0.0, overlap_env: bool = False
+                 ) -> tuple[Trajectory, dict[str, Any]]:
   """Runs len(task_ids) * group_size episodes to the end and returns them as a Trajectory.
 
   Args:
@@ -392,9 +391,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
       0 keeps them all. The trajectory still holds each episode whole.
     invalid_action_reward: added to the reward of each turn whose action the environment
       refused (`info["invalid_action"]`); success and score are the environment's.
-    overlap_env: decode the other rows while environments step a finished turn (see the
-      module docstring); False runs turns in lock-step.
-    check_every: with `overlap_env`, tokens decoded between two looks at which turns ended.
+    overlap_env: two cohorts per replica take turns, one decoding while the other's
+      environments step (see the module docstring); False runs every turn in lock-step.
 
   Returns:
     The Trajectory [B, L] (B = len(task_ids) * group_size) and stats: rollout throughput,
@@ -406,8 +404,6 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     raise ValueError(f"group_size and max_turns must be >= 1, got {group_size}, {max_turns}.")
   if history_turns < 0:
     raise ValueError(f"history_turns must be >= 0 (0 keeps every turn), got {history_turns}.")
-  if check_every < 1:
-    raise ValueError(f"check_every must be >= 1 token, got {check_every}.")
   start = time.perf_counter()
   key = _as_key(rng)
   episodes = [Episode(task_id=int(t), group_id=g)
@@ -436,18 +432,18 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
   batches = []
   for replica_mesh, members in zip(replica_meshes(mesh, replicas),
                                    np.array_split(np.arange(num), replicas)):
-    if len(members) == 0:
-      continue
     replica_state = state if replicas == 1 else state_on(state, replica_mesh)
     shards = shards_of(replica_mesh)
-    batch = DecodeBatch(graphdef, replica_state, -(-len(members) // shards) * shards, limit,
-                        grow_cache, replica_mesh, cache_dtype, sampling.max_reply_tokens)
-    batch.assign(members, episode_keys)
-    batches.append(batch)
+    for cohort in np.array_split(members, 2 if overlap_env else 1):
+      if len(cohort) == 0:
+        continue
+      batch = DecodeBatch(graphdef, replica_state, -(-len(cohort) // shards) * shards, limit,
+                          grow_cache, replica_mesh, cache_dtype, sampling.max_reply_tokens)
+      batch.assign(cohort, episode_keys)
+      batches.append(batch)
 
   if overlap_env:
-    turn_seconds, env_seconds = [], _overlapped(host, batches, pool, compact, on_ended,
-                                                check_every)
+    turn_seconds, env_seconds = [], _overlapped(host, batches, pool, compact, on_ended)
   else:
     turn_seconds, env_seconds = _lockstep(host, batches, pool, compact, on_ended)
 

@@ -5,13 +5,12 @@ The two compiled programs of a rollout:
 * `extend(graphdef, state, cache, logits, tokens, num_new)` appends a right-padded chunk
   [B, T] to every row of the cache at that row's own fill level (prefill of the opening, or
   the observation that follows a turn) and returns the next-token logits of each row.
-* `decode(graphdef, state, cache, logits, turn, caps, end_ids, sampling, steps)` samples the
-  running rows' turns inside ONE `lax.while_loop`: sample, feed the token back, repeat until
-  every row has produced an end-of-turn token or reached its cap, or `steps` tokens.
+* `decode(graphdef, state, cache, logits, turn, caps, end_ids, sampling)` samples the running
+  rows' turns inside ONE `lax.while_loop`: sample, feed the token back, repeat until every row
+  has produced an end-of-turn token or reached its cap.
 
-`decode` takes and returns a `Turn`, each row's progress through its turn, and stops after a
-given number of steps: one call per turn samples in lock-step, shorter calls let rows whose
-turn ended hand their reply to the environment while the others keep decoding.
+`decode` takes and returns a `Turn`, each row's progress through its turn: which rows sample,
+with which keys, and what they have sampled.
 
 Both run the model's own cached forward (`Decoder.extend`) on its `models.KVCache`: the
 sampler adds sampling and stopping, no attention or cache code of its own.
@@ -257,19 +256,17 @@ def start_turns(turn: Turn, starting: jax.Array, episode_keys: jax.Array,
               running=starting | turn.running)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "end_ids", "sampling", "steps"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "end_ids", "sampling"),
                    donate_argnames=("cache", "logits", "turn"))
 def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax.Array,
-           turn: Turn, caps: jax.Array, end_ids: tuple[int, ...], sampling: SamplingConfig,
-           steps: int) -> tuple[KVCache, jax.Array, Turn]:
-  """Samples up to `steps` tokens of every running row's turn, in one while loop.
+           turn: Turn, caps: jax.Array, end_ids: tuple[int, ...], sampling: SamplingConfig
+           ) -> tuple[KVCache, jax.Array, Turn]:
+  """Samples the rest of every running row's turn, in one while loop.
 
   A step draws the next token of every running row from its current logits (the row's i-th
   token of the turn with key fold_in(turn.keys[b], i)); a row stops on any `end_ids` token or
   after caps[b] tokens; the rows still running are then fed their token (extend with T = 1;
-  the others do not advance). The loop ends after `steps` steps or when no row runs, so one
-  call with steps = max_reply_tokens samples whole turns, and shorter calls let a caller act
-  on the rows that finished between them (`rollout.episodes` overlaps environment steps so).
+  the others do not advance). The loop ends when no row runs.
 
   Args:
     graphdef, state: `nnx.split(decoder)`.
@@ -279,11 +276,10 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax
     caps: [B] int32, per-row token cap, 1..sampling.max_reply_tokens.
     end_ids: end-of-turn token ids.
     sampling: the SamplingConfig (static).
-    steps: most tokens sampled per row in this call (static).
 
   Returns:
-    cache (a row's last sampled token of a finished turn is not in it), logits [B, V] and
-    the Turn after these steps.
+    cache (a row's last sampled token of its turn is not in it), logits [B, V] and the Turn
+    with every row stopped.
   """
   model = nnx.merge(graphdef, state)
   n = turn.tokens.shape[1]
@@ -307,7 +303,7 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax
 
   def cond(carry):
     i, _, _, turn = carry
-    return (i < steps) & jnp.any(turn.running)
+    return (i < n) & jnp.any(turn.running)
 
   def body(carry):
     i, cache, step_logits, turn = carry

@@ -184,12 +184,10 @@ def base_config() -> ml_collections.ConfigDict:
   # copy of the parameters: no per-token synchronisation between them. On a CPU host: one per
   # core, with XLA_FLAGS=--xla_force_host_platform_device_count=<cores>.
   c.rollout.replicas = 1
-  # Overlap environment steps with decoding: a row whose turn ended waits for its environment
-  # while the other rows keep sampling, and rejoins once its observation is back (same samples
-  # as lock-step; faster where environments are slow: JVMs, browsers, remote servers).
+  # Overlap environment steps with decoding: each replica's episodes form two cohorts that take
+  # turns, one decoding while the other's environments step (same samples as lock-step; for
+  # slow environments: JVMs, browsers, remote servers).
   c.rollout.overlap_env = False
-  # With overlap_env: tokens decoded between two looks at which rows ended their turn.
-  c.rollout.check_every = 8
 
   # ----- turn-limit schedule (ScalingInter-RL) ------------------------------------------------
   c.schedule = ml_collections.ConfigDict()

@@ -87,7 +87,7 @@ def sample_batch(config: ml_collections.ConfigDict, policy_def: Any, params: Any
       system_prompt=config.env.system_prompt or None, mesh=mesh,
       replicas=config.rollout.replicas, rows=rows, history_turns=config.rollout.history_turns,
       invalid_action_reward=config.env.invalid_action_reward,
-      overlap_env=config.rollout.overlap_env, check_every=config.rollout.check_every)
+      overlap_env=config.rollout.overlap_env)
 
 
 def check_batch_layout(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
