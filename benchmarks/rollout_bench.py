@@ -19,8 +19,9 @@ The reference gets 1 or 2 torch intra-op threads, whichever `generate` runs fast
 time; ours splits the episodes over `--replicas` CPU devices (default: one per core, each an
 independent batch with single-threaded XLA; `run_episodes(replicas=...)`). Also timed, for
 context: ours on one device, with the cache grown as needed and with `max_context` slots, and
-ours with the replicas and environment steps overlapped with decoding (`overlap_env`),
-compared in episodes/s with the same replicas in lock-step.
+ours with environment steps overlapped with decoding (`overlap_env`: two cohorts per replica
+taking turns), on one device and with the replicas, each compared in episodes/s with the same
+layout in lock-step.
 `--jax_threads 2` gives XLA its default thread pool instead of one thread. Timed runs
 alternate between the runners, and the best of each counts. Prints tokens/s of each, and
 each runner's turn-T / turn-1 time ratio; the last line is
@@ -208,6 +209,7 @@ def main():
     ours(0)
     ours(0, grow_cache=False)
     ours(0, replicas=replicas)
+    ours(0, overlap_env=True)
     ours(0, replicas=replicas, overlap_env=True)
     print(f"ours: first runs (incl. compilation) {time.perf_counter() - start:.1f} s")
     torch.manual_seed(0)
@@ -215,12 +217,13 @@ def main():
     threads = pick_torch_threads(hf_model, tok.vocab_size, args.episodes, args.reply)
     print(f"reference: torch with {threads} thread(s)")
     # Interleaved repeats, best of each: the machine is shared, so load comes and goes.
-    runs = {"ours": [], "ours_fixed": [], "ours_replicas": [], "ours_overlap": [],
-            "reference": []}
+    runs = {"ours": [], "ours_fixed": [], "ours_replicas": [], "ours_overlap_one": [],
+            "ours_overlap": [], "reference": []}
     for repeat in range(args.repeats):
       runs["ours"].append(ours(1 + repeat))
       runs["ours_fixed"].append(ours(1 + repeat, grow_cache=False))
       runs["ours_replicas"].append(ours(1 + repeat, replicas=replicas))
+      runs["ours_overlap_one"].append(ours(1 + repeat, overlap_env=True))
       runs["ours_overlap"].append(ours(1 + repeat, replicas=replicas, overlap_env=True))
       runs["reference"].append(reference())
 
@@ -241,11 +244,12 @@ def main():
           f"turn {len(turns)} {turns[-1] * 1e3:.0f} ms "
           f"(turn {len(turns)}/turn 1 = {turns[-1] / turns[0]:.2f})")
   episodes_per_s = {name: args.episodes / min(seconds for _, seconds, _ in runs[name])
-                    for name in ("ours_replicas", "ours_overlap")}
-  print(f"ours, {replicas} replicas, env steps overlapped with decoding: "
-        f"{episodes_per_s['ours_overlap']:.2f} episodes/s vs "
-        f"{episodes_per_s['ours_replicas']:.2f} in lock-step = "
-        f"{episodes_per_s['ours_overlap'] / episodes_per_s['ours_replicas']:.2f}")
+                    for name in ("ours", "ours_overlap_one", "ours_replicas", "ours_overlap")}
+  for overlapped, lockstep, where in (("ours_overlap_one", "ours", "one device"),
+                                      ("ours_overlap", "ours_replicas", f"{replicas} replicas")):
+    print(f"ours, {where}, env steps overlapped with decoding (overlap_env): "
+          f"{episodes_per_s[overlapped]:.2f} episodes/s vs {episodes_per_s[lockstep]:.2f} in "
+          f"lock-step = {episodes_per_s[overlapped] / episodes_per_s[lockstep]:.2f}")
   print(f"ours on one device / reference: {tps['ours'] / tps['reference']:.2f}")
   loadavg.report("end")
   print(f"ratio: {tps['ours_replicas'] / tps['reference']:.2f}")
