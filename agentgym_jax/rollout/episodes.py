@@ -179,6 +179,29 @@ class _Episodes:
     reach = int(self.in_cache[batch.episode_of_row[sampling_rows]].max()) + self.cap
     batch.decode(reach, self.end_ids, self.sampling)
 
+  def begin_turn(self, batch: DecodeBatch, compact: bool) -> np.ndarray | None:
+    """Dispatches the next turn of every live row of `batch`, halving the batch first while
+    at most half its rows live (with `compact`). Returns those rows [rows] bool, or None when
+    no row lives."""
+    live = self.live_rows(batch)
+    if not live.any():
+      return None
+    if compact and live.sum() * 2 <= batch.rows:
+      _compact(batch, live)
+      live = self.live_rows(batch)
+    self.start_turns(batch, live)
+    self.decode(batch, live)
+    return live
+
+  def take_replies(self, batch: DecodeBatch, live: np.ndarray, sampled: tuple[np.ndarray, ...]
+                   ) -> tuple[list[int], list[str]]:
+    """Records the turn rows `live` sampled (`sampled`: the batch's fetched turn tokens,
+    log-probs and counts); returns their episodes and reply texts."""
+    tokens, logprobs, counts = sampled
+    slots = [int(ep) for ep in batch.episode_of_row[live]]
+    return slots, [self.take_reply(ep, tokens[row], logprobs[row], int(counts[row]))
+                   for ep, row in zip(slots, np.flatnonzero(live))]
+
   def take_reply(self, ep: int, tokens: np.ndarray, logprobs: np.ndarray, count: int) -> str:
     """Records the `count` tokens episode `ep` sampled this turn; returns the reply's text."""
     e = self.episodes[ep]
@@ -263,25 +286,15 @@ def _lockstep(host: _Episodes, batches: list[DecodeBatch], pool: Any, compact: b
     turn_start = time.perf_counter()
     num_running = int(host.running.sum())
     # Dispatch every replica's extend and decode first; they run while the next is queued.
-    dispatched = []
-    for batch in batches:
-      live = host.live_rows(batch)
-      if not live.any():
-        continue
-      if compact and live.sum() * 2 <= batch.rows:
-        _compact(batch, live)
-        live = host.live_rows(batch)
-      host.start_turns(batch, live)
-      host.decode(batch, live)
-      dispatched.append((batch, live))
+    dispatched = [(batch, live) for batch in batches
+                  if (live := host.begin_turn(batch, compact)) is not None]
     slots, responses = [], []
     turns = jax.device_get([(b.turn.tokens, b.turn.logprobs, b.turn.counts)
                             for b, _ in dispatched])
-    for (batch, live), (tokens, logprobs, counts) in zip(dispatched, turns):
-      for row in np.flatnonzero(live):
-        ep = batch.episode_of_row[row]
-        slots.append(ep)
-        responses.append(host.take_reply(ep, tokens[row], logprobs[row], int(counts[row])))
+    for (batch, live), sampled in zip(dispatched, turns):
+      batch_slots, batch_responses = host.take_replies(batch, live, sampled)
+      slots += batch_slots
+      responses += batch_responses
     env_start = time.perf_counter()
     outcomes = pool.step(slots, responses)
     env_seconds += time.perf_counter() - env_start
@@ -308,26 +321,16 @@ def _overlapped(host: _Episodes, batches: list[DecodeBatch], pool: Any, compact:
   env_seconds = 0.0
   while host.running.any():
     for index in ready:
-      batch = batches[index]
-      live = host.live_rows(batch)
-      if not live.any():
-        continue
-      if compact and live.sum() * 2 <= batch.rows:
-        _compact(batch, live)
-        live = host.live_rows(batch)
-      host.start_turns(batch, live)
-      host.decode(batch, live)
-      decoding.append((index, live))
+      if (live := host.begin_turn(batches[index], compact)) is not None:
+        decoding.append((index, live))
     ready = []
     if decoding:
       # The oldest batch's replies go to the environments while the next batch decodes.
       index, live = decoding.popleft()
       batch = batches[index]
-      tokens, logprobs, counts = jax.device_get(
-          (batch.turn.tokens, batch.turn.logprobs, batch.turn.counts))
-      slots = [int(ep) for ep in batch.episode_of_row[live]]
-      pool.submit(slots, [host.take_reply(ep, tokens[row], logprobs[row], int(counts[row]))
-                          for ep, row in zip(slots, np.flatnonzero(live))])
+      sampled = jax.device_get((batch.turn.tokens, batch.turn.logprobs, batch.turn.counts))
+      slots, responses = host.take_replies(batch, live, sampled)
+      pool.submit(slots, responses)
       owed[index] = len(slots)
       batch_of.update((ep, index) for ep in slots)
     # Poll while a batch decodes; otherwise wait for the first answer.
