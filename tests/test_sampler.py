@@ -165,27 +165,6 @@ def test_extend_in_pieces_equals_one_chunk(model):
   np.testing.assert_allclose(logits_a, logits_b, atol=1e-5)
 
 
-def test_extend_of_some_rows_equals_the_whole_batch_call(model):
-  graphdef, state = nnx.split(model)
-  chunk = np.zeros((4, 16), np.int32)
-  chunk[2, :5], chunk[0, :2] = [8, 9, 10, 11, 12], [30, 31]
-  num_new = np.asarray([2, 0, 5, 0], np.int32)
-  cache_a, logits_a = _prefill(model, PROMPTS)
-  cache_a, logits_a = sampler.extend(graphdef, state, cache_a, logits_a, chunk, num_new)
-  # Rows 2 and 0 only, in that order.
-  cache_b, logits_b = _prefill(model, PROMPTS)
-  cache_b, logits_b = sampler.extend(graphdef, state, cache_b, logits_b, chunk[[2, 0]],
-                                     num_new[[2, 0]], np.asarray([2, 0], np.int32))
-  np.testing.assert_array_equal(cache_b.lengths, np.asarray(cache_a.lengths))
-  np.testing.assert_allclose(logits_b, logits_a, atol=1e-5)
-  for layer in range(CFG.num_layers):
-    for row, length in enumerate(np.asarray(cache_a.lengths)):
-      np.testing.assert_allclose(cache_b.k[layer][row, ..., :length],
-                                 cache_a.k[layer][row, ..., :length], atol=1e-5)
-      np.testing.assert_allclose(cache_b.v[layer][row, :, :length],
-                                 cache_a.v[layer][row, :, :length], atol=1e-5)
-
-
 def test_extend_gives_model_logits_at_last_token(model):
   """The sampler's extend is the model's cached forward, read at each row's last new token."""
   graphdef, state = nnx.split(model)

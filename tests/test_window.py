@@ -73,11 +73,10 @@ def _spy_contexts(monkeypatch):
   real_extend, real_decode = sampler.extend, sampler.decode
   real_rewind = batch_lib.DecodeBatch.rewind
 
-  def extend(graphdef, state, cache, logits, tokens, num_new, rows=None):
-    cache_rows = range(len(num_new)) if rows is None else np.asarray(rows).tolist()
-    for i, (row, n) in enumerate(zip(cache_rows, np.asarray(num_new))):
-      held.setdefault(row, []).extend(np.asarray(tokens)[i, :n].tolist())
-    return real_extend(graphdef, state, cache, logits, tokens, num_new, rows)
+  def extend(graphdef, state, cache, logits, tokens, num_new):
+    for row, n in enumerate(np.asarray(num_new)):
+      held.setdefault(row, []).extend(np.asarray(tokens)[row, :n].tolist())
+    return real_extend(graphdef, state, cache, logits, tokens, num_new)
 
   def rewind(self, rewound, lengths):
     for row in np.flatnonzero(rewound):

@@ -133,30 +133,21 @@ class DecodeBatch:
              ) -> None:
     """Appends chunks[row] to every row, in calls of `sampler.chunk_pieces` widths.
 
-    `starts[row]` is how many tokens the row holds before (known on the host). When the rows
-    with a chunk fit in a power-of-two share of the batch (and the batch is on one device),
-    only that many rows are computed: rows rejoining mid-turn do not cost a whole-batch
-    forward.
+    `starts[row]` is how many tokens the row holds before (known on the host).
     """
-    rows = np.arange(self.rows)
-    needed = np.flatnonzero([len(c) > 0 for c in chunks])
-    size = 1 << max(len(needed) - 1, 0).bit_length()
-    if self.shards == 1 and size < self.rows:
-      # Padded with other rows (num_new 0): the rows of a call must be distinct.
-      rows = np.concatenate([needed, np.setdiff1d(rows, needed)[:size - len(needed)]])
     offset = 0
-    for count, width in sampler.chunk_pieces(max(len(chunks[r]) for r in rows), max_chunk):
-      pieces = [chunks[r][offset:offset + count] for r in rows]
-      tokens = np.full((len(rows), width), pad_id, np.int32)
-      for i, piece in enumerate(pieces):
-        tokens[i, :len(piece)] = piece
+    for count, width in sampler.chunk_pieces(max(len(c) for c in chunks), max_chunk):
+      pieces = [c[offset:offset + count] for c in chunks]
+      tokens = np.full((self.rows, width), pad_id, np.int32)
+      for row, piece in enumerate(pieces):
+        tokens[row, :len(piece)] = piece
       num_new = np.asarray([len(p) for p in pieces], np.int32)
       # Real tokens must fit; padding past the end of the cache is dropped.
-      self._fit(int(np.max(np.where(num_new > 0, starts[rows] + offset + num_new, 0))))
+      self._fit(int(np.max(np.where(num_new > 0, starts + offset + num_new, 0))))
       with self._mesh_context():
         self.cache, self.logits = sampler.extend(
             self.graphdef, self.state, self.cache, self.logits, self._put(tokens),
-            self._put(num_new), None if len(rows) == self.rows else self._put(rows))
+            self._put(num_new))
       offset += count
 
   def rewind(self, rewound: np.ndarray, lengths: np.ndarray) -> None:

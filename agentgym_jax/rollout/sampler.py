@@ -185,33 +185,23 @@ def _last_logits(model, tokens: jax.Array, num_new: jax.Array, cache: KVCache
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache", "logits"))
 def extend(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax.Array,
-           tokens: jax.Array, num_new: jax.Array, rows: jax.Array | None = None
-           ) -> tuple[KVCache, jax.Array]:
-  """Appends a chunk to each row of the cache (or to some rows).
+           tokens: jax.Array, num_new: jax.Array) -> tuple[KVCache, jax.Array]:
+  """Appends a chunk to each row of the cache.
 
   Args:
     graphdef, state: `nnx.split(decoder)`.
     cache: KVCache with B rows (donated).
     logits: [B, V] float32, each row's current next-token logits (donated); kept for rows
       with num_new == 0, so a long chunk can be appended in several calls.
-    tokens: [R, T] int32, right-padded; row r's first num_new[r] tokens are real.
-    num_new: [R] int32 in 0..T (0: the row does not advance).
-    rows: [R] int32, distinct cache rows that tokens' rows go to; only they are computed (a
-      few rows rejoining a batch mid-turn cost a forward over those rows, not over all B).
-      None: R = B, row r is cache row r.
+    tokens: [B, T] int32, right-padded; row b's first num_new[b] tokens are real.
+    num_new: [B] int32 in 0..T (0: the row does not advance).
 
   Returns:
     The cache (lengths += num_new) and logits [B, V] float32 after each row's last token.
   """
   model = nnx.merge(graphdef, state)
-  if rows is None:
-    new_logits, cache = _last_logits(model, tokens, num_new, cache)
-    return cache, jnp.where((num_new > 0)[:, None], new_logits, logits)
-  part = jax.tree.map(lambda x: x[rows], cache)
-  new_logits, part = _last_logits(model, tokens, num_new, part)
-  cache = jax.tree.map(lambda whole, x: whole.at[rows].set(x), cache, part)
-  return cache, logits.at[rows].set(jnp.where((num_new > 0)[:, None], new_logits,
-                                              logits[rows]))
+  new_logits, cache = _last_logits(model, tokens, num_new, cache)
+  return cache, jnp.where((num_new > 0)[:, None], new_logits, logits)
 
 
 @struct.dataclass
