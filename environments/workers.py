@@ -200,19 +200,6 @@ def _worker_main(conn: mp_connection.Connection, env_spec: EnvSpec, env_kwargs: 
         # An env put an object that cannot cross processes into its info; send its repr.
         conn.send((call_id, [fields[:4] + (_picklable(fields[4]),) for fields in reply]))
 
-  def answer_when_done(call_id: int, futures: list[concurrent.futures.Future]) -> None:
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_):
-      with lock:
-        remaining[0] -= 1
-        last = remaining[0] == 0
-      if last:
-        answer(call_id, [f.result() for f in futures])
-    for future in futures:
-      future.add_done_callback(one_done)
-
   try:
     while True:
       try:
@@ -227,7 +214,9 @@ def _worker_main(conn: mp_connection.Connection, env_spec: EnvSpec, env_kwargs: 
       if executor is None:
         answer(call_id, [run(slot, arg) for slot, arg in batch])
       else:
-        answer_when_done(call_id, [executor.submit(run, slot, arg) for slot, arg in batch])
+        # Answered from a thread of its own: the next call is read while this one runs.
+        threading.Thread(target=lambda c=call_id, r=run, b=batch: answer(
+            c, list(executor.map(r, *zip(*b)))), daemon=True).start()
   finally:
     if executor is not None:
       executor.shutdown(wait=False, cancel_futures=True)
