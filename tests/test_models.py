@@ -1,6 +1,7 @@
 """Decoder, KV cache, value model and config parsing on tiny random configs (no torch needed)."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -173,9 +174,15 @@ def test_kv_cache_init_grow_and_donation(model):
   np.testing.assert_allclose(after_grown, after_large, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("t", [1, 24, 96])
-def test_cached_attention_equals_attention(t):
-  """The decode step's multiply-and-reduce and the query blocks compute plain attention."""
+@pytest.mark.parametrize("t, score_block", [
+    (1, 1 << 22),     # decode: multiply-and-reduce
+    (24, 1 << 22),    # every row in one block
+    (96, 1 << 19),    # blocks of 2 rows (of 96 queries x 4 heads x 512 slots each)
+    (96, 1 << 15),    # one row at a time, its queries in blocks of 16
+])
+def test_cached_attention_equals_attention(t, score_block):
+  """The decode step's multiply-and-reduce and the row and query blocks compute plain
+  attention."""
   b, kh, g, s, dh = 8, 2, 2, 512, 16
   keys = jax.random.split(jax.random.key(t), 3)
   q = jax.random.normal(keys[0], (b, t, kh, g, dh))
@@ -183,8 +190,9 @@ def test_cached_attention_equals_attention(t):
   v = jax.random.normal(keys[2], (b, kh, s, dh))
   positions = jnp.arange(b)[:, None] * 40 + jnp.arange(t)[None]
   mask = jnp.arange(s)[None, None] <= positions[:, :, None]
-  np.testing.assert_allclose(jax.jit(cached_attention)(q, k, v, mask),
-                             jax.jit(attention)(q, k, v, mask), atol=1e-5)
+  blocked = jax.jit(functools.partial(cached_attention, score_block=score_block))
+  np.testing.assert_allclose(blocked(q, k, v, mask), jax.jit(attention)(q, k, v, mask),
+                             atol=1e-5)
 
 
 @pytest.mark.parametrize("t", [3, 7, 64])
