@@ -236,9 +236,10 @@ def test_twenty_turns_compile_a_bounded_number_of_times(tok):
   assert (traj.num_turns == 20).sum() + successes == 4
   extends = sampler.extend._cache_size() - before[0]
   decodes = sampler.decode._cache_size() - before[1]
-  # The cache grows through 256, 512, 1024 and 2048 slots (~1400 tokens after 20 turns):
-  # decode compiles once per cache length; extend once per (chunk bucket, cache length) met.
-  assert decodes <= 4 and extends <= 8, (extends, decodes)
+  # The cache grows through 256, 384, 512, 768, 1024, 1536 (and 2048) slots (~1400 tokens
+  # after 20 turns): decode compiles once per cache length; extend once per (chunk bucket,
+  # cache length) met.
+  assert decodes <= 7 and extends <= 10, (extends, decodes)
 
 
 def test_stop_rules_and_rewards(tok, model):

@@ -183,7 +183,7 @@ def test_chunk_and_cache_buckets():
   assert [bucket_length(n, 16) for n in (1, 16, 17, 25, 100, 129, 200, 512)] == [
       16, 16, 24, 32, 128, 192, 256, 512]
   assert [sampler.cache_bucket(n, 1152) for n in (0, 300, 1024, 1100, 5000)] == [
-      256, 512, 1024, 1152, 1152]
+      256, 384, 1024, 1152, 1152]
 
 
 def test_chunk_pieces():

@@ -1,7 +1,7 @@
 """Multi-turn episode runner: B tasks x n samples against an environment pool, one KV cache.
 
 Each episode is one row of a KV cache that lives for the whole rollout (padded to the next
-power-of-two length when the longest row needs it). A turn is two compiled
+length of 256, 384, 512, 768, ... when the longest row needs it). A turn is two compiled
 calls for all active rows together: `extend` appends what is new since the row's last turn
 (its previous reply's last token, the observation chunk, or the whole opening at turn 0), then
 `decode` samples the reply. Nothing is ever re-encoded: the trajectory's tokens are the opening,
@@ -381,8 +381,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
       (`info["acknowledgement"]`, else the pool's env class attribute, else AgentGym's).
     max_chunk: most tokens of a chunk appended in one extend call (longer ones are split).
     compact: shrink the batch when at most half the rows are still running.
-    grow_cache: start the KV cache at 256 slots and double it as rows need (fastest: a decode
-      step reads the whole cache); False allocates `max_context` slots at once (one cache
+    grow_cache: start the KV cache at 256 slots and grow it by 1.5x or 2x as rows need
+      (fastest: a decode step reads the whole cache); False allocates `max_context` slots at once (one cache
       length, so fewer compilations, e.g. where compiling is slow).
     cache_dtype: KV cache dtype.
     replicas: independent batches the episodes are split into, each on its own slice of the

@@ -16,7 +16,7 @@ Both run the model's own cached forward (`Decoder.extend`) on its `models.KVCach
 sampler adds sampling and stopping, no attention or cache code of its own.
 
 Static shapes: the caller splits chunks into bucketed lengths T (`chunk_pieces`) and the cache
-length (`cache_bucket`: powers of two from 256, `KVCache.grow` pads the cache to the next
+length (`cache_bucket`: 256, 384, 512, 768, ..., `KVCache.grow` pads the cache to the next
 one when the rows need it; a cache allocated at the context limit is bounded to that bucket
 instead, `KVCache.with_live`), so a run compiles each program a handful of times. Decoding a
 small model is bound by reading the cache: rows holding 300 tokens should not read a 4096-slot
@@ -109,12 +109,13 @@ def chunk_pieces(n: int, max_piece: int = 512, max_padding: int = 16) -> list[tu
 
 
 def cache_bucket(n: int, max_len: int, minimum: int = 256) -> int:
-  """Static cache length holding `n` tokens: the next power of two >= max(n, minimum), capped
-  at `max_len` (the context limit)."""
-  size = minimum
-  while size < n:
-    size *= 2
-  return min(size, max_len)
+  """Static cache length holding `n` tokens: `trajectory.bucket_length` from `minimum` (256,
+  384, 512, 768, 1024, ...), capped at `max_len` (the context limit).
+
+  Steps of 1.5x rather than 2x: decode steps read every slot of the bucket, and rows between
+  two powers of two read a third less for a few more compilations.
+  """
+  return min(bucket_length(max(n, 1), minimum), max_len)
 
 
 def filter_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
