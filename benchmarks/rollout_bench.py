@@ -17,12 +17,15 @@ Both step the same environments through the same EnvPool and run once untimed fi
 compilation, allocator warm-up). Cores: each runner uses the machine's cores its own best way.
 The reference gets 1 or 2 torch intra-op threads, whichever `generate` runs faster with at the
 time; ours splits the episodes over `--replicas` CPU devices (default: one per core, each an
-independent batch with single-threaded XLA; `run_episodes(replicas=...)`). Also timed, for
+independent batch; `run_episodes(replicas=...)`). With jax 0.10, XLA:CPU still spreads a large
+enough fusion over every core whatever the flags (a 1536x1536 matmul keeps both cores busy
+under `--xla_cpu_multi_thread_eigen=false`), so replicas pay off where the model's ops are too
+small to be split (d64) and little at 4m, where their batches share the cores. Also timed, for
 context: ours on one device, with the cache grown as needed and with `max_context` slots, and
 ours with environment steps overlapped with decoding (`overlap_env`: two cohorts per replica
 taking turns), on one device and with the replicas, each compared in episodes/s with the same
 layout in lock-step.
-`--jax_threads 2` gives XLA its default thread pool instead of one thread. Timed runs
+`--jax_threads 2` drops `--xla_cpu_multi_thread_eigen=false` (XLA's Eigen thread pool). Timed runs
 alternate between the runners, and the best of each counts. Prints tokens/s of each, and
 each runner's turn-T / turn-1 time ratio; the last line is
 `ratio: <ours (replicas) / reference tokens per second>`.
@@ -59,14 +62,14 @@ import torch
 import transformers
 from flax import nnx
 
-from agentgym_jax.models import Decoder, ModelConfig, save_hf
-from agentgym_jax.models.gguf_io import load_gguf
+from agentgym_jax.models import save_hf
 from agentgym_jax.rollout import SamplingConfig, run_episodes
 from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT
 from agentgym_jax.tokenization import ChatTokenizer
-from environments.scripted.env import BOXES, INSTRUCTION
+from environments.scripted.env import INSTRUCTION
 from environments.workers import EnvPool
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
+from bench_models import NAMES, build_model  # benchmarks/bench_models.py
 
 
 def reference_rollout(hf_model, tok: ChatTokenizer, pool, task_ids, turns: int, reply: int
@@ -125,26 +128,6 @@ def pick_torch_threads(hf_model, vocab: int, batch: int, reply: int) -> int:
   return best[0]
 
 
-# Random models of the benchmark: (hidden, MLP, layers, heads, kv heads).
-_SHAPES = {"d64": (64, 128, 2, 4, 2), "4m": (256, 768, 4, 8, 4)}
-
-
-def build_model(name: str) -> tuple[ChatTokenizer, Decoder]:
-  """The tokenizer and model `--model` names."""
-  if name == "smollm2":
-    with tempfile.TemporaryDirectory() as tmp:
-      _, model, tokenizer_dir = load_gguf(tokenizer_cache_dir=tmp)
-      return ChatTokenizer.from_pretrained(tokenizer_dir), model
-  corpus = [INSTRUCTION, " ".join(BOXES), "the room is quiet and the light is dim"] * 20
-  tok = ChatTokenizer.train_bpe(corpus, vocab_size=512)
-  hidden, mlp, layers, heads, kv_heads = _SHAPES[name]
-  cfg = ModelConfig(vocab_size=tok.vocab_size, hidden_size=hidden, intermediate_size=mlp,
-                    num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-                    rope_theta=10000.0, rms_norm_eps=1e-6, tie_embeddings=True,
-                    model_type="llama")
-  return tok, Decoder(cfg, rngs=nnx.Rngs(0))
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[_XLA])
   parser.add_argument("--episodes", type=int, default=32)
@@ -153,7 +136,7 @@ def main():
   parser.add_argument("--filler", type=int, default=7,
                       help="filler words per observation (7 gives ~64 tokens)")
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--model", choices=("d64", "4m", "smollm2"), default="d64")
+  parser.add_argument("--model", choices=NAMES, default="d64")
   parser.add_argument("--env_latency", type=float, default=0.0,
                       help="seconds every environment step waits")
   parser.add_argument("--env_workers", type=int, default=1, help="EnvPool worker processes")

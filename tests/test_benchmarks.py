@@ -25,6 +25,8 @@ CASES = [
                  RATIO, id="update"),
     pytest.param("rollout_bench.py", ["--episodes", "2", "--turns", "2", "--reply", "4",
                                       "--repeats", "1"], RATIO, id="rollout"),
+    pytest.param("decode_bench.py", ["--model", "d64", "--rows", "4", "--prompt", "32",
+                                     "--new", "4", "--repeats", "1"], RATIO, id="decode"),
     # Without SciWorld there is no 2-worker SciWorld ratio to report: the line says nan.
     pytest.param("env_bench.py", ["--envs", "babyai,textcraft", "--num-envs", "4",
                                   "--workers", "1,2"], r"ratio: nan", id="env"),

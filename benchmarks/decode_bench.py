@@ -1,0 +1,126 @@
+"""One agent turn without re-encoding: prefill, then per-token decode, ours vs `generate`.
+
+Workload: B rows of a P-token prompt (random ids), then N sampled tokens each at temperature 1
+(no end-of-turn token stops a row early). This is a rollout's first turn, where the KV cache
+kept across turns gives no advantage (rollout_bench.py measures the turns after it).
+
+* ours: `rollout.sampler.extend` on an empty cache (the prefill) and `sampler.decode` (N
+  tokens in one jitted while loop), one device, the cache grown to the bucket holding P + N.
+* reference: `LlamaForCausalLM.generate` with the same weights and a KV cache
+  (`max_new_tokens=1` for the prefill, `max_new_tokens=N` for the whole turn; its decode is
+  the difference), with 1 or 2 torch threads, whichever runs the turn faster now.
+
+Best of `--repeats` after a warm-up, alternating between the two. Prints prefill tokens/s,
+decode ms per step and whole-turn ms of each; the last line is
+`ratio: <reference decode ms per step / ours>`.
+
+    .venv/bin/python benchmarks/decode_bench.py [--model 4m --rows 32 --prompt 192 --new 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import transformers
+from flax import nnx
+
+from agentgym_jax.models import KVCache, save_hf
+from agentgym_jax.rollout import sampler
+import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
+from bench_models import NAMES, build_model  # benchmarks/bench_models.py
+
+
+def ours_turn(graphdef, state, cfg, ids: np.ndarray, new: int) -> tuple[float, float]:
+  """Seconds of our prefill and of our N-token decode of rows `ids` [B, P]."""
+  rows, prompt = ids.shape
+  cache = KVCache.init(cfg, rows, sampler.cache_bucket(prompt + new, 1 << 30))
+  logits = jnp.zeros((rows, cfg.vocab_size), jnp.float32)
+  keys = jax.random.split(jax.random.key(0), rows)
+  turn = sampler.start_turns(sampler.Turn.idle(keys, new), jnp.ones(rows, bool), keys,
+                             jnp.zeros(rows, jnp.int32))
+  caps = jnp.full((rows,), new, jnp.int32)
+  tokens, num_new = jnp.asarray(ids), jnp.full((rows,), prompt, jnp.int32)
+  jax.block_until_ready((cache, turn, tokens))
+  start = time.perf_counter()
+  cache, logits = sampler.extend(graphdef, state, cache, logits, tokens, num_new)
+  logits.block_until_ready()
+  prefilled = time.perf_counter()
+  # No end-of-turn id can be sampled (-1): every row decodes all N tokens.
+  cache, logits, turn = sampler.decode(graphdef, state, cache, logits, turn, caps, (-1,),
+                                       sampler.SamplingConfig(max_reply_tokens=new))
+  turn.counts.block_until_ready()
+  assert int(turn.counts.min()) == new
+  return prefilled - start, time.perf_counter() - prefilled
+
+
+def reference_turn(hf_model, ids: torch.Tensor, new: int) -> float:
+  """Seconds of `generate` sampling `new` tokens after rows `ids` [B, P]."""
+  start = time.perf_counter()
+  with torch.inference_mode():
+    hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                      temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new,
+                      min_new_tokens=new, pad_token_id=0)
+  return time.perf_counter() - start
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--model", choices=NAMES, default="4m")
+  parser.add_argument("--rows", type=int, default=32)
+  parser.add_argument("--prompt", type=int, default=192, help="prompt tokens per row (P)")
+  parser.add_argument("--new", type=int, default=32, help="sampled tokens per row (N)")
+  parser.add_argument("--repeats", type=int, default=3)
+  args = parser.parse_args()
+  loadavg.report("start")
+
+  tok, model = build_model(args.model)
+  cfg = model.cfg
+  graphdef, state = nnx.split(model)
+  with tempfile.TemporaryDirectory() as tmp:
+    save_hf(model, tmp)
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+  hf_model.eval()
+  ids = np.random.default_rng(0).integers(3, cfg.vocab_size, (args.rows, args.prompt))
+  torch_ids = torch.from_numpy(ids)
+
+  ours_turn(graphdef, state, cfg, ids, args.new)  # compiles
+  best = {}
+  for threads in (1, 2):
+    torch.set_num_threads(threads)
+    reference_turn(hf_model, torch_ids, args.new)  # warm-up
+    best[threads] = reference_turn(hf_model, torch_ids, args.new)
+  threads = min(best, key=best.get)
+  torch.set_num_threads(threads)
+
+  ours_prefill, ours_decode, ref_prefill, ref_turn = [], [], [], []
+  for _ in range(args.repeats):
+    prefill, decode = ours_turn(graphdef, state, cfg, ids, args.new)
+    ours_prefill.append(prefill)
+    ours_decode.append(decode)
+    ref_prefill.append(reference_turn(hf_model, torch_ids, 1))
+    ref_turn.append(reference_turn(hf_model, torch_ids, args.new))
+  ours = min(ours_prefill), min(ours_decode)
+  # The reference's decode: the whole turn less its prefill (which samples the first token).
+  ref = min(ref_prefill), min(ref_turn) - min(ref_prefill)
+  steps = args.new - 1  # both sample the first token from the prefill's logits
+  print(f"workload: {args.model} model, {args.rows} rows x {args.prompt} prompt tokens, then "
+        f"{args.new} sampled tokens; best of {args.repeats}; reference: torch with {threads} "
+        f"thread(s)")
+  tokens = args.rows * args.prompt
+  for name, (prefill, decode) in (("ours", ours), ("reference", ref)):
+    print(f"{name}: prefill {prefill * 1e3:.0f} ms ({tokens / prefill:.0f} tokens/s), decode "
+          f"{decode / steps * 1e3:.2f} ms per step, turn {(prefill + decode) * 1e3:.0f} ms")
+  print(f"whole turn, reference / ours: {sum(ref) / sum(ours):.2f}; prefill: "
+        f"{ref[0] / ours[0]:.2f}")
+  loadavg.report("end")
+  print(f"ratio: {ref[1] / ours[1]:.2f}")
+
+
+if __name__ == "__main__":
+  main()
