@@ -154,7 +154,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
 # stay near the cache made an extend several times faster on XLA:CPU. Blocks take whole rows
 # first and split a row's queries only when one row's scores do not fit: rows keep the
 # matmuls G * T queries tall (an extend of B 32, T 64 at S 1024 on the 4M rollout benchmark
-# model: 850 ms in blocks of 4 queries of every row, 510 ms in blocks of 8 rows).
+# model: 850 ms in blocks of 4 queries of every row, 510-530 ms in blocks of 8 rows).
 _SCORE_BLOCK = 1 << 22
 # Slots per partial sum of a decode step's probs . v (see `cached_attention`).
 _SLOT_GROUP = 64

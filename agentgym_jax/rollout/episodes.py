@@ -382,8 +382,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     max_chunk: most tokens of a chunk appended in one extend call (longer ones are split).
     compact: shrink the batch when at most half the rows are still running.
     grow_cache: start the KV cache at 256 slots and grow it by 1.5x or 2x as rows need
-      (fastest: a decode step reads the whole cache); False allocates `max_context` slots at once (one cache
-      length, so fewer compilations, e.g. where compiling is slow).
+      (fastest: a decode step reads the whole cache); False allocates `max_context` slots at
+      once (one cache length, so fewer compilations, e.g. where compiling is slow).
     cache_dtype: KV cache dtype.
     replicas: independent batches the episodes are split into, each on its own slice of the
       mesh's data axis (without a mesh: one local device each); see the module docstring.
