@@ -20,20 +20,19 @@ decode ms per step and whole-turn ms of each; the last line is
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-import transformers
 from flax import nnx
 
-from agentgym_jax.models import KVCache, save_hf
+from agentgym_jax.models import KVCache
 from agentgym_jax.rollout import sampler
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
-from bench_models import NAMES, build_model  # benchmarks/bench_models.py
+# benchmarks/bench_models.py
+from bench_models import NAMES, build_model, pick_torch_threads, torch_copy
 
 
 def ours_turn(graphdef, state, cfg, ids: np.ndarray, new: int) -> tuple[float, float]:
@@ -82,21 +81,13 @@ def main():
   tok, model = build_model(args.model)
   cfg = model.cfg
   graphdef, state = nnx.split(model)
-  with tempfile.TemporaryDirectory() as tmp:
-    save_hf(model, tmp)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-  hf_model.eval()
+  hf_model = torch_copy(model)
   ids = np.random.default_rng(0).integers(3, cfg.vocab_size, (args.rows, args.prompt))
   torch_ids = torch.from_numpy(ids)
 
   ours_turn(graphdef, state, cfg, ids, args.new)  # compiles
-  best = {}
-  for threads in (1, 2):
-    torch.set_num_threads(threads)
-    reference_turn(hf_model, torch_ids, args.new)  # warm-up
-    best[threads] = reference_turn(hf_model, torch_ids, args.new)
-  threads = min(best, key=best.get)
-  torch.set_num_threads(threads)
+  reference_turn(hf_model, torch_ids, args.new)  # warm-up
+  threads = pick_torch_threads(hf_model, cfg.vocab_size, args.rows, args.new)
 
   ours_prefill, ours_decode, ref_prefill, ref_turn = [], [], [], []
   for _ in range(args.repeats):

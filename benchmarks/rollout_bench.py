@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 
 # XLA reads its flags once, when jax is imported: threads and CPU devices are set before that.
@@ -59,17 +58,16 @@ os.environ["XLA_FLAGS"] = _FLAGS.strip()
 import jax  # after the XLA flags above, like every import below
 import numpy as np
 import torch
-import transformers
 from flax import nnx
 
-from agentgym_jax.models import save_hf
 from agentgym_jax.rollout import SamplingConfig, run_episodes
 from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT
 from agentgym_jax.tokenization import ChatTokenizer
 from environments.scripted.env import INSTRUCTION
 from environments.workers import EnvPool
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
-from bench_models import NAMES, build_model  # benchmarks/bench_models.py
+# benchmarks/bench_models.py
+from bench_models import NAMES, build_model, pick_torch_threads, torch_copy
 
 
 def reference_rollout(hf_model, tok: ChatTokenizer, pool, task_ids, turns: int, reply: int
@@ -107,27 +105,6 @@ def reference_rollout(hf_model, tok: ChatTokenizer, pool, task_ids, turns: int, 
   return sampled, turn_seconds
 
 
-def pick_torch_threads(hf_model, vocab: int, batch: int, reply: int) -> int:
-  """The faster of 1 and 2 intra-op threads for `generate` on this machine, right now.
-
-  On a busy 2-core machine two spinning OpenMP threads can be several times slower than one;
-  the reference gets whichever setting serves it best.
-  """
-  ids = torch.randint(3, vocab, (batch, 256))
-  best = None
-  for threads in (1, 2):
-    torch.set_num_threads(threads)
-    with torch.inference_mode():
-      start = time.perf_counter()
-      hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                        max_new_tokens=reply, min_new_tokens=reply, pad_token_id=0)
-      seconds = time.perf_counter() - start
-    if best is None or seconds < best[1]:
-      best = (threads, seconds)
-  torch.set_num_threads(best[0])
-  return best[0]
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], parents=[_XLA])
   parser.add_argument("--episodes", type=int, default=32)
@@ -147,10 +124,7 @@ def main():
 
   tok, model = build_model(args.model)
   graphdef, state = nnx.split(model)
-  with tempfile.TemporaryDirectory() as tmp:
-    save_hf(model, tmp)
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
-  hf_model.eval()
+  hf_model = torch_copy(model)
 
   task_ids = list(range(args.episodes))
   env_kwargs = dict(max_steps=10 * args.turns, filler_words=args.filler,

@@ -22,12 +22,12 @@ Two schedules (`overlap_env`):
   turns in lock-step, and the cohorts take turns on the device: while one cohort's replies are
   with the environments (`EnvPool.submit`), the other cohort extends and decodes, and a cohort
   starts its next turn as soon as its own observations are back (`EnvPool.collect`). The
-  device is not idle while slow environments (a JVM, a browser, a remote server) step. On CPU
-  a turn of half the rows costs about half as much, so with instant environments little is
-  lost while cohorts keep 16 or more rows (benchmarks/README.md, Rollout: 1.40x the episodes/s
-  of lock-step with 20 ms steps on one device, 0.91x with instant steps in cohorts of 8).
-  Samples are the same as in lock-step: a row's draws depend on its own key, turn and token
-  index only.
+  device is not idle while slow environments (a JVM, a browser, a remote server) step. It
+  pays where the environments take about as long as a cohort's decoding, and costs a little
+  where they are instant, since two half batches use the device worse than one
+  (benchmarks/README.md, Rollout: 1.40-1.62x the episodes/s of lock-step with 20 ms steps,
+  0.94-0.98x with instant steps). Samples are the same as in lock-step: a row's draws depend
+  on its own key, turn and token index only.
 
 Episodes end when the environment terminates or truncates them, when the pool reports a fault
 (the episode is then marked failed, see rollout/trajectory.py), at `max_turns`, or when the
