@@ -8,8 +8,10 @@ from flax import nnx
 
 from agentgym_jax.models import Decoder, KVCache, ModelConfig
 from agentgym_jax.rollout import sampler
+from agentgym_jax.rollout.batch import DecodeBatch
 from agentgym_jax.rollout.sampler import SamplingConfig
 from agentgym_jax.rollout.trajectory import bucket_length
+from agentgym_jax.sharding import make_mesh
 
 VOCAB = 97
 CFG = ModelConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -177,6 +179,45 @@ def test_extend_gives_model_logits_at_last_token(model):
     cache, logits = sampler.extend(graphdef, state, cache, logits, chunk, n)
     np.testing.assert_allclose(logits, np.asarray(ref_logits)[np.arange(2), n - 1], atol=1e-5)
   np.testing.assert_array_equal(cache.lengths, ref_cache.lengths)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_shared_openings_are_prefilled_once_with_the_numbers_of_a_plain_prefill(
+    model, sharded, monkeypatch):
+  """Duplicate openings (a group's samples) are prefilled once, the prefix shared by all once;
+  the rows end up holding what prefilling each of them gives."""
+  graphdef, state = nnx.split(model)
+  rng = np.random.default_rng(0)
+  prefix = rng.integers(3, VOCAB, 40).tolist()
+  a, b, c = (prefix + rng.integers(3, VOCAB, n).tolist() for n in (5, 9, 1))
+  mesh = make_mesh([("data", -1), ("fsdp", 1), ("tensor", 1)],
+                   devices=jax.devices()[:2]) if sharded else None
+  batch = lambda: DecodeBatch(graphdef, state, 6, 1024, True, mesh, jnp.float32, 8)
+  fed = []
+  real_extend = sampler.extend
+  monkeypatch.setattr(sampler, "extend", lambda *args: fed.append(int(np.sum(args[5]))) or (
+      real_extend(*args)))
+  starts = np.asarray([0, 0, 0, 0, 0, 3])
+  chunks = [a, a, b, c, a, [7, 8]]  # the last row is mid-episode: appended, not shared
+  plain = batch()
+  plain.cache = plain.cache.replace(lengths=jnp.asarray(starts, jnp.int32))
+  plain._append(chunks, starts, 512, 0)
+  assert sum(fed) == 3 * 45 + 49 + 41 + 2
+  fed.clear()
+  shared = batch()
+  shared.cache = shared.cache.replace(lengths=jnp.asarray(starts, jnp.int32))
+  shared.extend(chunks, starts, 512, 0)
+  # Distinct openings a, b, c; their 40 shared tokens once, then each one's own tail.
+  assert sum(fed) == 40 + 5 + 9 + 1 + 2
+  np.testing.assert_array_equal(shared.cache.lengths, [45, 45, 49, 41, 45, 5])
+  np.testing.assert_array_equal(shared.cache.lengths, plain.cache.lengths)
+  np.testing.assert_allclose(shared.logits, plain.logits, atol=1e-5)
+  for layer in range(CFG.num_layers):
+    for row, n in enumerate(np.asarray(plain.cache.lengths)):
+      np.testing.assert_allclose(shared.cache.k[layer][row, ..., 3:n],
+                                 plain.cache.k[layer][row, ..., 3:n], atol=1e-5)
+      np.testing.assert_allclose(shared.cache.v[layer][row, :, 3:n],
+                                 plain.cache.v[layer][row, :, 3:n], atol=1e-5)
 
 
 def test_chunk_and_cache_buckets():

@@ -2,6 +2,7 @@
 against what the cache was fed), per-turn rows keep the sampler's log-prob contract, and with
 a window covering the whole episode they give the packed row's loss."""
 
+import collections
 import functools
 
 import jax
@@ -12,7 +13,7 @@ from flax import nnx
 from agentgym_jax.models import Decoder, ModelConfig
 from agentgym_jax.rl import advantages
 from agentgym_jax.rl.algorithm import AlgorithmSpec
-from agentgym_jax.rollout import SamplingConfig, run_episodes, sampler, window
+from agentgym_jax.rollout import SamplingConfig, run_episodes, window
 from agentgym_jax.rollout import batch as batch_lib
 from agentgym_jax.rollout import episodes as episodes_lib
 from agentgym_jax.rollout.trajectory import segments
@@ -68,34 +69,40 @@ def _spy_contexts(monkeypatch):
 
   Returns the list of [rows] token lists, one per decode (rows = episodes: no compaction).
   """
-  held: dict[int, list[int]] = {}
+  held: dict[batch_lib.DecodeBatch, dict[int, list[int]]] = collections.defaultdict(dict)
   seen = []
-  real_extend, real_decode = sampler.extend, sampler.decode
-  real_rewind = batch_lib.DecodeBatch.rewind
+  real_append, real_copy = batch_lib.DecodeBatch._append, batch_lib.DecodeBatch._copy_from
+  real_rewind, real_decode = batch_lib.DecodeBatch.rewind, batch_lib.DecodeBatch.decode
 
-  def extend(graphdef, state, cache, logits, tokens, num_new):
-    for row, n in enumerate(np.asarray(num_new)):
-      held.setdefault(row, []).extend(np.asarray(tokens)[row, :n].tolist())
-    return real_extend(graphdef, state, cache, logits, tokens, num_new)
+  def append(self, chunks, starts, max_chunk, pad_id):
+    for row, chunk in enumerate(chunks):
+      held[self].setdefault(row, []).extend(chunk)
+      assert len(held[self][row]) - len(chunk) == starts[row]
+    return real_append(self, chunks, starts, max_chunk, pad_id)
+
+  def copy_from(self, source, rows, source_rows, tokens):
+    for row in rows:  # an opening prefilled once for several rows
+      held[self][row] = list(held[source][source_rows[row]])
+    return real_copy(self, source, rows, source_rows, tokens)
 
   def rewind(self, rewound, lengths):
     for row in np.flatnonzero(rewound):
-      del held[row][lengths[row]:]
+      del held[self][row][lengths[row]:]
     return real_rewind(self, rewound, lengths)
 
-  def decode(*args, **kwargs):
-    active = np.asarray(args[4].running)  # read before the call donates it
-    cache, logits, turn = real_decode(*args, **kwargs)
-    counts = np.asarray(turn.counts)
-    assert (np.asarray(cache.lengths)[active] - counts[active] + 1
-            == [len(held[r]) for r in np.flatnonzero(active)]).all()
-    seen.append({r: list(held[r]) for r in np.flatnonzero(active)})
+  def decode(self, *args, **kwargs):
+    active = np.asarray(self.turn.running)  # read before the call donates it
+    real_decode(self, *args, **kwargs)
+    counts = np.asarray(self.turn.counts)
+    assert (np.asarray(self.cache.lengths)[active] - counts[active] + 1
+            == [len(held[self][r]) for r in np.flatnonzero(active)]).all()
+    seen.append({r: list(held[self][r]) for r in np.flatnonzero(active)})
     for r in np.flatnonzero(active):  # all but the last sampled token enter the cache
-      held[r].extend(np.asarray(turn.tokens)[r, :int(counts[r]) - 1].tolist())
-    return cache, logits, turn
+      held[self][r].extend(np.asarray(self.turn.tokens)[r, :int(counts[r]) - 1].tolist())
 
-  monkeypatch.setattr(sampler, "extend", extend)
-  monkeypatch.setattr(sampler, "decode", decode)
+  monkeypatch.setattr(batch_lib.DecodeBatch, "_append", append)
+  monkeypatch.setattr(batch_lib.DecodeBatch, "_copy_from", copy_from)
+  monkeypatch.setattr(batch_lib.DecodeBatch, "decode", decode)
   monkeypatch.setattr(batch_lib.DecodeBatch, "rewind", rewind)
   return seen
 
