@@ -3,7 +3,8 @@
 Each episode is one row of a KV cache that lives for the whole rollout (padded to the next
 length of 256, 384, 512, 768, ... when the longest row needs it). A turn is two compiled
 calls for all active rows together: `extend` appends what is new since the row's last turn
-(its previous reply's last token, the observation chunk, or the whole opening at turn 0), then
+(its previous reply's last token, the observation chunk, or the whole opening at turn 0, each
+distinct opening and the prefix they all share prefilled once: rollout/batch.py), then
 `decode` samples the reply. Nothing is ever re-encoded: the trajectory's tokens are the opening,
 the sampled ids and the observation chunks, exactly as the model saw them.
 
