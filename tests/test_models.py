@@ -175,14 +175,13 @@ def test_kv_cache_init_grow_and_donation(model):
 
 
 @pytest.mark.parametrize("t, score_block", [
-    (1, 1 << 22),     # decode: multiply-and-reduce
+    (1, 1 << 22),     # decode: one query per row
     (24, 1 << 22),    # every row in one block
     (96, 1 << 19),    # blocks of 2 rows (of 96 queries x 4 heads x 512 slots each)
     (96, 1 << 15),    # one row at a time, its queries in blocks of 16
 ])
 def test_cached_attention_equals_attention(t, score_block):
-  """The decode step's multiply-and-reduce and the row and query blocks compute plain
-  attention."""
+  """A decode step and the row and query blocks compute plain attention."""
   b, kh, g, s, dh = 8, 2, 2, 512, 16
   keys = jax.random.split(jax.random.key(t), 3)
   q = jax.random.normal(keys[0], (b, t, kh, g, dh))
@@ -319,6 +318,7 @@ def test_missing_config_file(tmp_path):
 
 
 def test_live_bound_reads_only_the_first_slots_and_matches_the_whole_cache(model):
+  """Attention bounded to the first slots, directly or through `head` / `with_head`."""
   tokens, valid = _batch([10, 7, 9], seed=7)
   full = np.asarray(_forward(model, tokens, valid))
   cache = KVCache.init(TINY, batch_size=3, max_len=32)
@@ -336,5 +336,14 @@ def test_live_bound_reads_only_the_first_slots_and_matches_the_whole_cache(model
   a = _extend(model, step, jnp.array([0, 1, 1]), bounded)[0]
   b = _extend(model, step, jnp.array([0, 1, 1]), poisoned)[0]
   np.testing.assert_array_equal(a, b)
+  # A decode loop runs on the first 12 slots as buffers of their own and writes them back.
+  head = bounded.head()
+  assert head.max_len == 12 and head.live == 0 and cache.head() is cache
+  merged = bounded.with_head(_extend(model, step, jnp.array([0, 1, 1]), head)[1])
+  direct = _extend(model, step, jnp.array([0, 1, 1]), bounded)[1]
+  assert merged.max_len == 32 and merged.live == 12
+  np.testing.assert_array_equal(merged.lengths, direct.lengths)
+  for x, y in zip(merged.k + merged.v, direct.k + direct.v):
+    np.testing.assert_allclose(x, y, atol=1e-6)
   with pytest.raises(ValueError, match="outside 1..32"):
     cache.with_live(33)

@@ -270,7 +270,8 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax
 
   Returns:
     cache (a row's last sampled token of its turn is not in it), logits [B, V] and the Turn
-    with every row stopped.
+    with every row stopped. A cache bounded to its first `live` slots decodes on a copy of
+    them, written back at the end (`KVCache.head`).
   """
   model = nnx.merge(graphdef, state)
   n = turn.tokens.shape[1]
@@ -305,5 +306,6 @@ def decode(graphdef: nnx.GraphDef, state: nnx.State, cache: KVCache, logits: jax
         tok, turn.running, cache, step_logits)
     return i + 1, cache, step_logits, turn
 
-  _, cache, logits, turn = jax.lax.while_loop(cond, body, (jnp.int32(0), cache, logits, turn))
-  return cache, logits, turn
+  _, head, logits, turn = jax.lax.while_loop(cond, body,
+                                             (jnp.int32(0), cache.head(), logits, turn))
+  return cache.with_head(head), logits, turn
