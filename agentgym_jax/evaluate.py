@@ -336,8 +336,10 @@ def result_line(result: EvalResult, label: str, split: str, output: str) -> str:
   overall = result.summary[eval_metrics.OVERALL]
   n = overall["n"]
   settings = result.settings
+  # None: every episode failed, so there is nothing to measure (see `failed_line`).
+  percent = lambda value: "-" if value is None else f"{100 * value:.2f}"
   return (f"{label} on {settings['env']} {split}: "
-          f"Pass@{n} {100 * overall['pass']:.2f}, Avg@{n} {100 * overall['avg']:.2f}, "
+          f"Pass@{n} {percent(overall['pass'])}, Avg@{n} {percent(overall['avg'])}, "
           f"success {'-' if result.success_rate is None else f'{result.success_rate:.3f}'} "
           "per episode "
           f"({settings['num_tasks']} tasks x {n}, {int(result.failed.sum())} episodes failed, "

@@ -177,6 +177,9 @@ def test_bad_responses_leave_a_live_env(env, response, expected):
   observation, reward, terminated, truncated, info = env.step(env.parse_action(response))
   assert observation.startswith(expected)
   assert (reward, terminated, truncated, info["success"]) == (0.0, False, False, False)
+  # A reply without a tag or query is refused; "error" would mark the episode as failed.
+  assert info["invalid_action"] == (expected in (searchqa.INVALID, searchqa.EMPTY_QUERY))
+  assert "error" not in info
   assert env.step("<search>Lake Erie</search>")[0].startswith("<information>Doc 1")
 
 

@@ -7,6 +7,7 @@ the others drive the trainer's command line in subprocesses, as tests/test_train
 (experiments/keypad/learn.py:runlocal, one CPU device, a shared compilation cache).
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -162,6 +163,12 @@ def test_evaluation_reports_failed_episodes_as_failed_not_as_zeros(tok, model, t
   assert "| flaky (Pass@2) | 100.00 |" in table and "| flaky (Avg@2) | 100.00 |" in table
   assert "Failed episodes: 4 of 12 (reset_failed 4), left out of Avg@n and Pass@n" in table
   assert "4 episodes failed" in evaluate.result_line(result, "flaky", "test", str(tmp_path))
+  # Every episode failed: nothing measured, and the closing line says so instead of crashing.
+  nothing = {**overall, "avg": None, "pass": None}
+  all_failed = dataclasses.replace(result, summary={"Overall": nothing},
+                                   failed=np.ones_like(result.failed))
+  line = evaluate.result_line(all_failed, "flaky", "test", str(tmp_path))
+  assert "Pass@2 -, Avg@2 -, success - per episode" in line and "12 episodes failed" in line
 
 
 # ----- the trainer's command line ----------------------------------------------------------

@@ -108,8 +108,7 @@ class SciWorldEnv(ReActEnv):
     if len(action) > MAX_ACTION_CHARS:
       return self._unchanged(
           f"Your action is {self.action_chars} characters long; ScienceWorld commands are short "
-          f"(at most {MAX_ACTION_CHARS} characters), e.g. 'open door to kitchen'.",
-          "action too long")
+          f"(at most {MAX_ACTION_CHARS} characters), e.g. 'open door to kitchen'.")
     observation, completed, moves = self._sw_step(action)
     self._history.append(action)
     terminated = completed or self._score < 0
@@ -191,7 +190,8 @@ class SciWorldEnv(ReActEnv):
     return {"score": float(self._score), "success": self._score >= 100, "moves": moves,
             "task_name": task_name, "variation": variation, "category": task_name}
 
-  def _unchanged(self, observation: str, error: str):
+  def _unchanged(self, observation: str):
+    """A refused action: the simulator never sees it and the episode goes on."""
     info = self._info(int(self._sw.server.getNumMoves()))
-    info["error"] = error
+    info["invalid_action"] = True
     return observation, self._reward(), False, False, info

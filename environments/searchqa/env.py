@@ -147,14 +147,16 @@ class SearchQAEnv(TextEnv):
     return OBSERVATION_TEMPLATE.format(question=self._item["question"]), self._info()
 
   def _step(self, action: str) -> tuple[str, float, bool, bool, dict[str, Any]]:
-    info = self._info()
+    # A reply without a tag, or with an empty query, is refused and the episode goes on
+    # (`info["error"]` would mark it as ended by a fault, see environments.workers).
+    info = self._info() | {"invalid_action": False}
     match = _FIRST_TAG.search(action)
     if match is None:
-      return INVALID, 0.0, False, False, dict(info, error="no <search> or <answer> tag")
+      return INVALID, 0.0, False, False, info | {"invalid_action": True}
     if match[1] == "search":
       query = _content(match[2])
       if not query:
-        return EMPTY_QUERY, 0.0, False, False, dict(info, error="empty query")
+        return EMPTY_QUERY, 0.0, False, False, info | {"invalid_action": True}
       self._searched = True
       passages = self.retriever.search(query, k=TOP_K)
       return (format_information(passages) if passages else NO_MATCH), 0.0, False, False, info
