@@ -173,10 +173,10 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   Same arguments and result as `attention`, in blocks of rows (and, when one row's scores
   exceed `score_block` elements, of that row's queries) of at most `score_block` scores each.
   A decode step (T = 1) is plain `attention` over all rows at once: its G query heads per kv
-  head make the matmul rows. On an Intel Xeon (AVX-512) this ran 1.4-9x faster per layer than
-  a multiply-and-reduce over the transposed keys with the values summed in groups of 64 slots,
-  which fell off a cliff once a layer's cache outgrew ~20 MB (B 32, 4 kv heads, head_dim 32:
-  1.16 vs 1.74 ms at 768 slots, 2.3 vs 21 ms at 1536).
+  head make the matmul rows. A multiply-and-reduce over the transposed keys, with the values
+  summed in groups of 64 slots, cost about the same from 256 to 1,024 slots but fell off a
+  cliff past ~1,500 on an Intel Xeon (AVX-512): 32 decode steps of the 4M rollout benchmark
+  model, 32 rows, 583 vs 2,809 ms at 1,536 slots, 787 vs 4,057 ms at 2,048.
   """
   b, t, kh, g, dh = q.shape
   per_query = kh * g * k.shape[3]  # scores of one query of one row
