@@ -6,9 +6,10 @@ kept across turns gives no advantage (rollout_bench.py measures the turns after 
 
 * ours: `rollout.sampler.extend` on an empty cache (the prefill) and `sampler.decode` (N
   tokens in one jitted while loop), one device, the cache grown to the bucket holding P + N.
-* reference: `LlamaForCausalLM.generate` with the same weights and a KV cache
-  (`max_new_tokens=1` for the prefill, `max_new_tokens=N` for the whole turn; its decode is
-  the difference), with 1 or 2 torch threads, whichever runs the turn faster now.
+* reference: `LlamaForCausalLM.generate` with the same weights and a KV cache, with 1 or 2
+  torch threads, whichever runs the turn faster now. One call per turn; a logits processor
+  notes when the prefill's logits arrive, which splits the call into prefill and decode (two
+  calls subtracted from each other gave negative decode times on small workloads).
 
 Best of `--repeats` after a warm-up, alternating between the two. Prints prefill tokens/s,
 decode ms per step and whole-turn ms of each; the last line is
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+import transformers
 from flax import nnx
 
 from agentgym_jax.models import KVCache
@@ -58,14 +60,30 @@ def ours_turn(graphdef, state, cfg, ids: np.ndarray, new: int) -> tuple[float, f
   return prefilled - start, time.perf_counter() - prefilled
 
 
-def reference_turn(hf_model, ids: torch.Tensor, new: int) -> float:
-  """Seconds of `generate` sampling `new` tokens after rows `ids` [B, P]."""
+class _FirstLogits(transformers.LogitsProcessor):
+  """Notes when `generate` first hands out logits: the prefill's, before any decode step."""
+
+  def __init__(self):
+    self.at = None
+
+  def __call__(self, input_ids, scores):
+    if self.at is None:
+      self.at = time.perf_counter()
+    return scores
+
+
+def reference_turn(hf_model, ids: torch.Tensor, new: int) -> tuple[float, float]:
+  """Seconds of `generate`'s prefill and of its decode, sampling `new` tokens after rows
+  `ids` [B, P]."""
+  clock = _FirstLogits()
   start = time.perf_counter()
   with torch.inference_mode():
     hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                       temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=new,
-                      min_new_tokens=new, pad_token_id=0)
-  return time.perf_counter() - start
+                      min_new_tokens=new, pad_token_id=0,
+                      logits_processor=transformers.LogitsProcessorList([clock]))
+  end = time.perf_counter()
+  return clock.at - start, end - clock.at
 
 
 def main():
@@ -76,6 +94,8 @@ def main():
   parser.add_argument("--new", type=int, default=32, help="sampled tokens per row (N)")
   parser.add_argument("--repeats", type=int, default=3)
   args = parser.parse_args()
+  if args.new < 2:
+    parser.error(f"--new {args.new}: at least 2 sampled tokens, so that there is a decode step.")
   loadavg.report("start")
 
   tok, model = build_model(args.model)
@@ -89,16 +109,12 @@ def main():
   reference_turn(hf_model, torch_ids, args.new)  # warm-up
   threads = pick_torch_threads(hf_model, cfg.vocab_size, args.rows, args.new)
 
-  ours_prefill, ours_decode, ref_prefill, ref_turn = [], [], [], []
+  ours_runs, ref_runs = [], []
   for _ in range(args.repeats):
-    prefill, decode = ours_turn(graphdef, state, cfg, ids, args.new)
-    ours_prefill.append(prefill)
-    ours_decode.append(decode)
-    ref_prefill.append(reference_turn(hf_model, torch_ids, 1))
-    ref_turn.append(reference_turn(hf_model, torch_ids, args.new))
-  ours = min(ours_prefill), min(ours_decode)
-  # The reference's decode: the whole turn less its prefill (which samples the first token).
-  ref = min(ref_prefill), min(ref_turn) - min(ref_prefill)
+    ours_runs.append(ours_turn(graphdef, state, cfg, ids, args.new))
+    ref_runs.append(reference_turn(hf_model, torch_ids, args.new))
+  # Best prefill and best decode of the repeats, each side alike.
+  ours, ref = (tuple(map(min, zip(*runs))) for runs in (ours_runs, ref_runs))
   steps = args.new - 1  # both sample the first token from the prefill's logits
   print(f"workload: {args.model} model, {args.rows} rows x {args.prompt} prompt tokens, then "
         f"{args.new} sampled tokens; best of {args.repeats}; reference: torch with {threads} "
