@@ -53,18 +53,15 @@ def _copy_rows(cache: KVCache, logits: jax.Array, source: KVCache, source_logits
   `source` (a cache of B' rows and S' <= S slots) and `source_logits` [B', V]: their keys,
   values, lengths and next-token logits. Slots past S' keep what they held (unread: a row
   attends to its first `lengths[b]` slots only)."""
-  slots = source.max_len
+  head = cache.with_live(source.max_len).head()
 
-  def copy(buffer, source_buffer, slot_axis):
-    head = jax.lax.slice_in_dim(buffer, 0, slots, axis=slot_axis)
-    mask = rows.reshape((-1,) + (1,) * (buffer.ndim - 1))
-    head = jnp.where(mask, source_buffer[source_rows].astype(buffer.dtype), head)
-    return jax.lax.dynamic_update_slice_in_dim(buffer, head, 0, axis=slot_axis)
+  def pick(mine, theirs):
+    mask = rows.reshape((-1,) + (1,) * (mine.ndim - 1))
+    return jnp.where(mask, theirs[source_rows].astype(mine.dtype), mine)
 
-  cache = cache.replace(k=tuple(copy(b, s, 3) for b, s in zip(cache.k, source.k)),
-                        v=tuple(copy(b, s, 2) for b, s in zip(cache.v, source.v)),
-                        lengths=jnp.where(rows, source.lengths[source_rows], cache.lengths))
-  return cache, jnp.where(rows[:, None], source_logits[source_rows], logits)
+  head = KVCache(k=tuple(map(pick, head.k, source.k)), v=tuple(map(pick, head.v, source.v)),
+                 lengths=pick(head.lengths, source.lengths))
+  return cache.with_head(head), pick(logits, source_logits)
 
 
 # Shortest prefix that all openings of a batch must share for it to be prefilled once.
