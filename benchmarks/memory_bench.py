@@ -25,6 +25,7 @@ import tempfile
 
 import jax
 
+from agentgym_jax import host_memory
 from agentgym_jax.train import loop
 from agentgym_jax.train import update as update_lib
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
@@ -54,7 +55,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="experiments/keypad/learn.py:runlocal")
   args = parser.parse_args()
-  loadavg.report("start")
+  loadavg.report("start", malloc_kept=host_memory.keep_freed_memory())
   config = load_config(args.config)
 
   after_update: list[int] = []

@@ -4,8 +4,8 @@ For each size, one model is created in JAX, exported with `save_hf` and loaded b
 transformers, so both frameworks run the same architecture and weights on the same right-padded
 batch (masked next-token cross-entropy, gradients w.r.t. all parameters, no optimizer step).
 Rounds alternate between the two so that load from other processes hits both alike; the median
-round counts. Also reports our achieved FLOP/s as a fraction of an f32 matmul peak measured in
-the same round.
+round counts. Also reports each side's FLOP/s as a fraction of its own framework's f32 matmul
+peak measured in the same round, and the page faults and system time of each side's steps.
 
     .venv/bin/python benchmarks/model_bench.py [--sizes 3M,30M] [--rounds 5] [--steps 3]
 
@@ -24,9 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from agentgym_jax import host_memory
 from agentgym_jax.models import Decoder, ModelConfig, save_hf
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
-from flops import matmul_peak, timed, train_flops_per_step  # benchmarks/flops.py
+from faults import Faults  # benchmarks/faults.py
+from flops import matmul_peak, timed, torch_matmul_peak, train_flops_per_step  # benchmarks/flops.py
 
 SIZES = {
     # ~3.4M parameters, batch 16 x 256.
@@ -76,7 +78,7 @@ def torch_step(model, torch):
   return step
 
 
-def bench_size(name: str, rounds: int, steps: int, peak, remat: bool) -> float:
+def bench_size(name: str, rounds: int, steps: int, peak, torch_peak, remat: bool) -> float:
   import torch
   import transformers
 
@@ -101,15 +103,19 @@ def bench_size(name: str, rounds: int, steps: int, peak, remat: bool) -> float:
 
   tokens_per_step = batch * length
   flops_per_step = train_flops_per_step(cfg, batch, length)
-  jax_rates, torch_rates, fractions = [], [], []
+  jax_rates, torch_rates, fractions, torch_fractions = [], [], [], []
+  jax_faults, torch_faults = Faults(), Faults()
   for _ in range(rounds):
-    # The peak is re-measured every round: other jobs on the machine move it a lot.
-    round_peak = peak()
-    seconds = timed(lambda: [jax.block_until_ready(jstep(state, jt, jv)) for _ in range(steps)])
+    # The peaks are re-measured every round: other jobs on the machine move them a lot.
+    round_peak, round_torch_peak = peak(), torch_peak()
+    seconds = jax_faults.measure(
+        lambda: timed(lambda: [jax.block_until_ready(jstep(state, jt, jv))
+                               for _ in range(steps)]))
     jax_rates.append(steps * tokens_per_step / seconds)
     fractions.append(steps * flops_per_step / seconds / round_peak)
-    seconds = timed(lambda: [tstep(tt, tv) for _ in range(steps)])
+    seconds = torch_faults.measure(lambda: timed(lambda: [tstep(tt, tv) for _ in range(steps)]))
     torch_rates.append(steps * tokens_per_step / seconds)
+    torch_fractions.append(steps * flops_per_step / seconds / round_torch_peak)
   jax_rate, torch_rate = statistics.median(jax_rates), statistics.median(torch_rates)
   flops = flops_per_step * jax_rate / tokens_per_step
   print(f"{name}: {cfg.num_params / 1e6:.1f}M params, batch {batch}x{length}, remat={remat}")
@@ -118,8 +124,11 @@ def bench_size(name: str, rounds: int, steps: int, peak, remat: bool) -> float:
   print(f"  torch fwd+bwd tok/s median {torch_rate:9.0f}  (rounds {min(torch_rates):.0f}-"
         f"{max(torch_rates):.0f})")
   print(f"  jax/torch {jax_rate / torch_rate:.2f}; jax {flops / 1e9:.0f} GFLOP/s, "
-        f"{statistics.median(fractions):.0%} of the matmul peak measured in the same round "
-        f"(rounds {min(fractions):.0%}-{max(fractions):.0%})", flush=True)
+        f"{statistics.median(fractions):.0%} of jax's matmul peak measured in the same round "
+        f"(rounds {min(fractions):.0%}-{max(fractions):.0%}); torch "
+        f"{statistics.median(torch_fractions):.0%} of torch's own peak")
+  unit = f"round of {steps} steps"
+  print(f"  jax {jax_faults.summary(unit)}; torch {torch_faults.summary(unit)}", flush=True)
   return jax_rate / torch_rate
 
 
@@ -130,11 +139,12 @@ def main():
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--remat", action="store_true", help="recompute blocks in backward")
   args = parser.parse_args()
-  loadavg.report("start")
-  peak = matmul_peak()
-  print(f"f32 matmul peak (jax, 2048^3) now: {peak() / 1e9:.0f} GFLOP/s; "
-        f"devices: {jax.devices()[0].platform} x {jax.device_count()}", flush=True)
-  ratios = [bench_size(n, args.rounds, args.steps, peak, args.remat)
+  loadavg.report("start", malloc_kept=host_memory.keep_freed_memory())
+  peak, torch_peak = matmul_peak(), torch_matmul_peak()
+  print(f"f32 matmul peak (2048^3) now: jax {peak() / 1e9:.0f} GFLOP/s, torch "
+        f"{torch_peak() / 1e9:.0f}; devices: {jax.devices()[0].platform} x {jax.device_count()}",
+        flush=True)
+  ratios = [bench_size(n, args.rounds, args.steps, peak, torch_peak, args.remat)
             for n in args.sizes.split(",")]
   loadavg.report("end")
   print(f"ratio: {min(ratios):.2f}")

@@ -15,7 +15,8 @@ does it (eager, float32). Before timing, the first step's loss of both must agre
   python benchmarks/update_bench.py [--rows 8] [--length 512] [--repeats 5]
 
 Throughput counts every token of the [rows, length] batch per update; also printed: both as a
-fraction of an f32 matmul peak measured in the same run (benchmarks/flops.py). Last line:
+fraction of its own framework's f32 matmul peak measured in the same run (benchmarks/flops.py),
+and the page faults and system time of a step (benchmarks/faults.py). Last line:
 `ratio: <ours tokens/s / torch tokens/s>`.
 """
 
@@ -32,13 +33,15 @@ import torch
 import transformers
 from flax import nnx
 
+from agentgym_jax import host_memory
 from agentgym_jax import sharding
 from agentgym_jax.models import Decoder, ModelConfig, save_hf
 from agentgym_jax.train import config as base
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import update as update_lib
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
-from flops import matmul_peak, train_flops_per_step  # benchmarks/flops.py
+from faults import Faults  # benchmarks/faults.py
+from flops import matmul_peak, torch_matmul_peak, train_flops_per_step  # benchmarks/flops.py
 
 KL_COEF, ENTROPY_COEF, CLIP, LR = 1e-3, 1e-3, 0.2, 1e-5
 
@@ -112,7 +115,7 @@ def main():
   parser.add_argument("--vocab", type=int, default=4096)
   parser.add_argument("--repeats", type=int, default=5)
   args = parser.parse_args()
-  loadavg.report("start")
+  loadavg.report("start", malloc_kept=host_memory.keep_freed_memory())
   if args.rows % jax.device_count():
     parser.error(f"--rows {args.rows} must be a multiple of the {jax.device_count()} JAX "
                  "devices: the batch is split over them.")
@@ -149,28 +152,27 @@ def main():
   if abs(ours_loss - torch_loss) > 1e-4 * max(1.0, abs(torch_loss)):
     raise SystemExit("The two updates compute different losses; the comparison is void.")
 
-  ours, ref = [], []
+  ours, ref = Faults(), Faults()
   for _ in range(args.repeats):
-    start = time.perf_counter()
-    state, metrics = step(state, device_batch)
-    jax.block_until_ready(metrics)
-    ours.append(time.perf_counter() - start)
-    start = time.perf_counter()
-    torch_step()
-    ref.append(time.perf_counter() - start)
-  ours_s, ref_s = statistics.median(ours), statistics.median(ref)
-  peak = matmul_peak()()  # measured after the timed steps, in the same run
+    state, metrics = ours.measure(lambda: jax.block_until_ready(step(state, device_batch)))
+    ref.measure(torch_step)
+  ours_s, ref_s = statistics.median(ours.seconds), statistics.median(ref.seconds)
+  # Measured after the timed steps, in the same run.
+  peak, torch_peak = matmul_peak()(), torch_matmul_peak()()
   print(f"model: {cfg.num_params / 1e6:.2f}M params (hidden {cfg.hidden_size}, {cfg.num_layers} "
         f"layers, vocab {cfg.vocab_size}); batch {args.rows} x {args.length} tokens, "
         f"{int(batch['loss_mask'].sum())} agent tokens; micro-batches {args.micro}; "
         f"torch threads {torch.get_num_threads()}, jax devices {jax.device_count()}")
-  print(f"torch eager: {ref_s * 1e3:.1f} ms/update, {tokens_per_step / ref_s:.0f} tokens/s")
-  print(f"ours (jit):  {ours_s * 1e3:.1f} ms/update, {tokens_per_step / ours_s:.0f} tokens/s")
+  print(f"torch eager: {ref_s * 1e3:.1f} ms/update, {tokens_per_step / ref_s:.0f} tokens/s; "
+        f"{ref.summary('update')}")
+  print(f"ours (jit):  {ours_s * 1e3:.1f} ms/update, {tokens_per_step / ours_s:.0f} tokens/s; "
+        f"{ours.summary('update')}")
   # Forward and backward of the policy; the optimizer's elementwise work is not counted.
   flops = train_flops_per_step(cfg, args.rows, args.length)
-  print(f"ours: {flops / ours_s / 1e9:.1f} GFLOP/s, {flops / ours_s / peak:.0%} of the f32 "
-        f"matmul peak ({peak / 1e9:.0f} GFLOP/s, 2048^3, measured in this run); torch "
-        f"{flops / ref_s / peak:.0%}")
+  print(f"f32 matmul peak (2048^3, measured in this run): jax {peak / 1e9:.0f} GFLOP/s, torch "
+        f"{torch_peak / 1e9:.0f}")
+  print(f"ours: {flops / ours_s / 1e9:.1f} GFLOP/s, {flops / ours_s / peak:.0%} of jax's peak; "
+        f"torch {flops / ref_s / 1e9:.1f} GFLOP/s, {flops / ref_s / torch_peak:.0%} of torch's")
   loadavg.report("end")
   print(f"ratio: {ref_s / ours_s:.2f}")
 
