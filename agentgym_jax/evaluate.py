@@ -57,7 +57,6 @@ import tqdm
 
 from agentgym_jax import cli
 from agentgym_jax import eval_metrics
-from agentgym_jax import host_memory
 from agentgym_jax import multihost
 from agentgym_jax import sharding
 from agentgym_jax.models import load_hf
@@ -386,7 +385,6 @@ def _load_policy(config, checkpoint: str | None, hf_model: str | None, step: int
 
 def main(argv: Sequence[str]) -> None:
   """Evaluates per the flags below; only process 0 writes files."""
-  host_memory.keep_freed_memory()  # before JAX starts its backend
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {list(argv[1:])}")
   config = cli.config_from_flag()

@@ -54,7 +54,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from agentgym_jax import cli
-from agentgym_jax import host_memory
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rollout import envs
 from agentgym_jax.train import checkpoints, loop, provenance, sources, trajectories
@@ -316,7 +315,6 @@ def replay(workdir: str, step: int, episodes: Sequence[int] | None = None,
 # ----- command line ---------------------------------------------------------------------------
 
 def main(argv: Sequence[str]) -> None:
-  host_memory.keep_freed_memory()  # before JAX starts its backend
   if len(argv) != 2:
     cli.fatal(f"pass one training workdir, e.g. python -m agentgym_jax.replay WORKDIR --step 2 "
               f"--episode 0; got {list(argv[1:])}")

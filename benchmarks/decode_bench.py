@@ -30,7 +30,6 @@ import torch
 import transformers
 from flax import nnx
 
-from agentgym_jax import host_memory
 from agentgym_jax.models import KVCache
 from agentgym_jax.rollout import sampler
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
@@ -97,7 +96,7 @@ def main():
   args = parser.parse_args()
   if args.new < 2:
     parser.error(f"--new {args.new}: at least 2 sampled tokens, so that there is a decode step.")
-  loadavg.report("start", malloc_kept=host_memory.keep_freed_memory())
+  loadavg.report("start")
 
   tok, model = build_model(args.model)
   cfg = model.cfg

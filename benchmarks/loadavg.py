@@ -15,8 +15,8 @@ import os
 def report(when: str, malloc_kept: bool | None = None) -> None:
   """Prints `load average at <when>: ...` and, above 1.0 per CPU, a warning line after it.
 
-  With `malloc_kept` (what `agentgym_jax.host_memory.keep_freed_memory` returned), also a line
-  saying how this process manages freed host memory: it moves CPU step times by up to a third.
+  With `malloc_kept` (whether `host_memory.keep_freed_memory` took effect), also a line saying
+  how this process manages freed host memory: it moves CPU step times by up to a third.
   """
   # Rounded as printed, so that the warning agrees with the figure a reader sees.
   one, five, fifteen = (round(x, 2) for x in os.getloadavg())
@@ -28,5 +28,5 @@ def report(when: str, malloc_kept: bool | None = None) -> None:
           f"CPUs; this run's timings are not a quiet machine's", flush=True)
   if malloc_kept is not None:
     how = ("kept in the process" if malloc_kept else "returned to the kernel (glibc defaults)")
-    print(f"freed host memory: {how}, for every contestant alike (agentgym_jax.host_memory)",
+    print(f"freed host memory: {how}, for every contestant alike (benchmarks/host_memory.py)",
           flush=True)

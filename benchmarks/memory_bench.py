@@ -25,7 +25,6 @@ import tempfile
 
 import jax
 
-from agentgym_jax import host_memory
 from agentgym_jax.train import loop
 from agentgym_jax.train import update as update_lib
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
@@ -55,7 +54,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--config", default="experiments/keypad/learn.py:runlocal")
   args = parser.parse_args()
-  loadavg.report("start", malloc_kept=host_memory.keep_freed_memory())
+  loadavg.report("start")
   config = load_config(args.config)
 
   after_update: list[int] = []

@@ -8,6 +8,7 @@ round counts. Also reports each side's FLOP/s as a fraction of its own framework
 peak measured in the same round, and the page faults and system time of each side's steps.
 
     .venv/bin/python benchmarks/model_bench.py [--sizes 3M,30M] [--rounds 5] [--steps 3]
+        [--keep_freed_memory]
 
 Last line: `ratio: <jax tok/s / torch tok/s>` (the smaller over the sizes).
 """
@@ -24,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from agentgym_jax import host_memory
 from agentgym_jax.models import Decoder, ModelConfig, save_hf
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
+import host_memory  # benchmarks/host_memory.py
 from faults import Faults  # benchmarks/faults.py
 from flops import matmul_peak, timed, torch_matmul_peak, train_flops_per_step  # benchmarks/flops.py
 
@@ -138,8 +139,12 @@ def main():
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--steps", type=int, default=3)
   parser.add_argument("--remat", action="store_true", help="recompute blocks in backward")
+  parser.add_argument("--keep_freed_memory", action="store_true",
+                      help="glibc keeps freed memory in the process, for both sides "
+                           "(benchmarks/host_memory.py): steps without fresh page faults")
   args = parser.parse_args()
-  loadavg.report("start", malloc_kept=host_memory.keep_freed_memory())
+  kept = args.keep_freed_memory and host_memory.keep_freed_memory()
+  loadavg.report("start", malloc_kept=kept)
   peak, torch_peak = matmul_peak(), torch_matmul_peak()
   print(f"f32 matmul peak (2048^3) now: jax {peak() / 1e9:.0f} GFLOP/s, torch "
         f"{torch_peak() / 1e9:.0f}; devices: {jax.devices()[0].platform} x {jax.device_count()}",

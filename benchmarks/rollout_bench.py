@@ -61,7 +61,6 @@ import numpy as np
 import torch
 from flax import nnx
 
-from agentgym_jax import host_memory
 from agentgym_jax.rollout import SamplingConfig, run_episodes
 from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT
 from agentgym_jax.tokenization import ChatTokenizer
@@ -124,7 +123,7 @@ def main():
   parser.add_argument("--env_threads", type=int, default=8,
                       help="slots a worker steps at once (threads_per_worker)")
   args = parser.parse_args()
-  loadavg.report("start", malloc_kept=host_memory.keep_freed_memory())
+  loadavg.report("start")
 
   tok, model = build_model(args.model)
   graphdef, state = nnx.split(model)

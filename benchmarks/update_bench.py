@@ -12,7 +12,7 @@ count of --micro); the reference is the forward, log-softmax gather, entropy, cl
 backward, `clip_grad_norm_` and `torch.optim.AdamW.step` written out in torch, as verl's actor
 does it (eager, float32). Before timing, the first step's loss of both must agree.
 
-  python benchmarks/update_bench.py [--rows 8] [--length 512] [--repeats 5]
+  python benchmarks/update_bench.py [--rows 8] [--length 512] [--repeats 5] [--keep_freed_memory]
 
 Throughput counts every token of the [rows, length] batch per update; also printed: both as a
 fraction of its own framework's f32 matmul peak measured in the same run (benchmarks/flops.py),
@@ -33,13 +33,13 @@ import torch
 import transformers
 from flax import nnx
 
-from agentgym_jax import host_memory
 from agentgym_jax import sharding
 from agentgym_jax.models import Decoder, ModelConfig, save_hf
 from agentgym_jax.train import config as base
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import update as update_lib
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
+import host_memory  # benchmarks/host_memory.py
 from faults import Faults  # benchmarks/faults.py
 from flops import matmul_peak, torch_matmul_peak, train_flops_per_step  # benchmarks/flops.py
 
@@ -114,8 +114,12 @@ def main():
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--vocab", type=int, default=4096)
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--keep_freed_memory", action="store_true",
+                      help="glibc keeps freed memory in the process, for both sides "
+                           "(benchmarks/host_memory.py): steps without fresh page faults")
   args = parser.parse_args()
-  loadavg.report("start", malloc_kept=host_memory.keep_freed_memory())
+  kept = args.keep_freed_memory and host_memory.keep_freed_memory()
+  loadavg.report("start", malloc_kept=kept)
   if args.rows % jax.device_count():
     parser.error(f"--rows {args.rows} must be a multiple of the {jax.device_count()} JAX "
                  "devices: the batch is split over them.")

@@ -23,7 +23,6 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from agentgym_jax import cli
-from agentgym_jax import host_memory
 from agentgym_jax import multihost
 from agentgym_jax import sharding
 
@@ -53,7 +52,6 @@ def log_to_workdir(workdir: str) -> str:
 
 
 def main(argv: list[str]) -> None:
-  host_memory.keep_freed_memory()  # before JAX starts its backend
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config, workdir = cli.config_from_flag(), _WORKDIR.value
