@@ -351,3 +351,26 @@ def test_local_sh_trains_then_evaluates_the_runlocal_variant(tmp_path):
   missing = subprocess.run(["bash", script, "nope.py"], cwd=ROOT, env=env, capture_output=True,
                            text=True, check=False)
   assert missing.returncode == 2 and "no config file" in missing.stderr
+
+
+def test_local_sh_preloads_the_named_malloc_or_none(tmp_path):
+  fake = tmp_path / "python"
+  fake.write_text(f"#!/usr/bin/env bash\necho \"$LD_PRELOAD|$MALLOC_CONF\" >> {tmp_path}/env\n")
+  fake.chmod(0o755)
+  library = tmp_path / "libjemalloc.so.2"  # not a real library: the loader skips it, bash runs
+  library.write_text("")
+  script = str(ROOT / "launch" / "local.sh")
+
+  def run(jemalloc):
+    (tmp_path / "env").unlink(missing_ok=True)
+    env = {"PATH": os.environ["PATH"], "PYTHON": str(fake), "JEMALLOC": jemalloc}
+    return subprocess.run(["bash", script, BABYAI], cwd=ROOT, env=env, capture_output=True,
+                          text=True, check=False)
+
+  assert run(str(library)).returncode == 0
+  assert (tmp_path / "env").read_text().splitlines() == [
+      f"{library}|dirty_decay_ms:-1,muzzy_decay_ms:-1"] * 2
+  assert run("").returncode == 0
+  assert (tmp_path / "env").read_text().splitlines() == ["|"] * 2
+  missing = run(str(tmp_path / "nope.so"))
+  assert missing.returncode == 2 and "is not a file" in missing.stderr
