@@ -20,20 +20,23 @@ def matmul_peak(n: int = 2048, reps: int = 3):
   """Returns fn() -> best-of-`reps` f32 FLOP/s of a jitted n x n x n matmul, measured now."""
   a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
   f = jax.jit(lambda x: x @ x)
-  f(a).block_until_ready()
-  return lambda: 2 * n ** 3 / min(timed(lambda: f(a).block_until_ready())
-                                  for _ in range(reps))
+  return _best_rate(lambda: f(a).block_until_ready(), 2 * n ** 3, reps)
 
 
 def torch_matmul_peak(n: int = 2048, reps: int = 3):
   """`matmul_peak` for PyTorch's own matmul on the CPU, with its current thread count."""
   import torch  # pylint: disable=import-outside-toplevel
   a = torch.randn(n, n)
-  torch.mm(a, a)
-  return lambda: 2 * n ** 3 / min(timed(lambda: torch.mm(a, a)) for _ in range(reps))
+  return _best_rate(lambda: torch.mm(a, a), 2 * n ** 3, reps)
 
 
-def timed(fn) -> float:
+def _best_rate(fn, flops: float, reps: int):
+  """Runs fn once (compilation, warm-up); returns () -> flops / the fastest of `reps` calls."""
+  fn()
+  return lambda: flops / min(_timed(fn) for _ in range(reps))
+
+
+def _timed(fn) -> float:
   start = time.perf_counter()
   fn()
   return time.perf_counter() - start

@@ -29,7 +29,7 @@ from agentgym_jax.models import Decoder, ModelConfig, save_hf
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
 import host_memory  # benchmarks/host_memory.py
 from faults import Faults  # benchmarks/faults.py
-from flops import matmul_peak, timed, torch_matmul_peak, train_flops_per_step  # benchmarks/flops.py
+from flops import matmul_peak, torch_matmul_peak, train_flops_per_step  # benchmarks/flops.py
 
 SIZES = {
     # ~3.4M parameters, batch 16 x 256.
@@ -109,12 +109,13 @@ def bench_size(name: str, rounds: int, steps: int, peak, torch_peak, remat: bool
   for _ in range(rounds):
     # The peaks are re-measured every round: other jobs on the machine move them a lot.
     round_peak, round_torch_peak = peak(), torch_peak()
-    seconds = jax_faults.measure(
-        lambda: timed(lambda: [jax.block_until_ready(jstep(state, jt, jv))
-                               for _ in range(steps)]))
+    jax_faults.measure(lambda: [jax.block_until_ready(jstep(state, jt, jv))
+                                for _ in range(steps)])
+    seconds = jax_faults.seconds[-1]
     jax_rates.append(steps * tokens_per_step / seconds)
     fractions.append(steps * flops_per_step / seconds / round_peak)
-    seconds = torch_faults.measure(lambda: timed(lambda: [tstep(tt, tv) for _ in range(steps)]))
+    torch_faults.measure(lambda: [tstep(tt, tv) for _ in range(steps)])
+    seconds = torch_faults.seconds[-1]
     torch_rates.append(steps * tokens_per_step / seconds)
     torch_fractions.append(steps * flops_per_step / seconds / round_torch_peak)
   jax_rate, torch_rate = statistics.median(jax_rates), statistics.median(torch_rates)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 import jax
 import numpy as np
