@@ -4,8 +4,9 @@ Workload: B rows of a P-token prompt (random ids), then N sampled tokens each at
 (no end-of-turn token stops a row early). This is a rollout's first turn, where the KV cache
 kept across turns gives no advantage (rollout_bench.py measures the turns after it).
 
-* ours: `rollout.sampler.extend` on an empty cache (the prefill) and `sampler.decode` (N
-  tokens in one jitted while loop), one device, the cache grown to the bucket holding P + N.
+* ours: the rollout's own calls on one device (`rollout.batch.DecodeBatch`): the prefill
+  appends the prompt in `sampler.chunk_pieces` of at most 512 tokens, the cache grown to the
+  bucket each piece reaches, then `sampler.decode` samples N tokens in one jitted while loop.
 * reference: `LlamaForCausalLM.generate` with the same weights and a KV cache, with 1 or 2
   torch threads, whichever runs the turn faster now. One call per turn; a logits processor
   notes when the prefill's logits arrive, which splits the call into prefill and decode (two
@@ -30,33 +31,30 @@ import torch
 import transformers
 from flax import nnx
 
-from agentgym_jax.models import KVCache
 from agentgym_jax.rollout import sampler
+from agentgym_jax.rollout.batch import DecodeBatch
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
 # benchmarks/bench_models.py
 from bench_models import NAMES, build_model, pick_torch_threads, torch_copy
 
 
-def ours_turn(graphdef, state, cfg, ids: np.ndarray, new: int) -> tuple[float, float]:
+def ours_turn(graphdef, state, ids: np.ndarray, new: int) -> tuple[float, float]:
   """Seconds of our prefill and of our N-token decode of rows `ids` [B, P]."""
   rows, prompt = ids.shape
-  cache = KVCache.init(cfg, rows, sampler.cache_bucket(prompt + new, 1 << 30))
-  logits = jnp.zeros((rows, cfg.vocab_size), jnp.float32)
-  keys = jax.random.split(jax.random.key(0), rows)
-  turn = sampler.start_turns(sampler.Turn.idle(keys, new), jnp.ones(rows, bool), keys,
-                             jnp.zeros(rows, jnp.int32))
-  caps = jnp.full((rows,), new, jnp.int32)
-  tokens, num_new = jnp.asarray(ids), jnp.full((rows,), prompt, jnp.int32)
-  jax.block_until_ready((cache, turn, tokens))
+  batch = DecodeBatch(graphdef, state, rows, limit=1 << 30, grow=True, mesh=None,
+                      cache_dtype=jnp.float32, max_reply_tokens=new)
+  batch.assign(np.arange(rows), jax.random.split(jax.random.key(0), rows))
+  batch.start(np.ones(rows, bool), np.zeros(rows, np.int32))
+  chunks = ids.tolist()
+  jax.block_until_ready((batch.cache, batch.turn))
   start = time.perf_counter()
-  cache, logits = sampler.extend(graphdef, state, cache, logits, tokens, num_new)
-  logits.block_until_ready()
+  batch.extend(chunks, np.zeros(rows, np.int64), max_chunk=512, pad_id=0)
+  batch.logits.block_until_ready()
   prefilled = time.perf_counter()
   # No end-of-turn id can be sampled (-1): every row decodes all N tokens.
-  cache, logits, turn = sampler.decode(graphdef, state, cache, logits, turn, caps, (-1,),
-                                       sampler.SamplingConfig(max_reply_tokens=new))
-  turn.counts.block_until_ready()
-  assert int(turn.counts.min()) == new
+  batch.decode(prompt + new, (-1,), sampler.SamplingConfig(max_reply_tokens=new))
+  batch.turn.counts.block_until_ready()
+  assert int(batch.turn.counts.min()) == new
   return prefilled - start, time.perf_counter() - prefilled
 
 
@@ -105,13 +103,13 @@ def main():
   ids = np.random.default_rng(0).integers(3, cfg.vocab_size, (args.rows, args.prompt))
   torch_ids = torch.from_numpy(ids)
 
-  ours_turn(graphdef, state, cfg, ids, args.new)  # compiles
+  ours_turn(graphdef, state, ids, args.new)  # compiles
   reference_turn(hf_model, torch_ids, args.new)  # warm-up
   threads = pick_torch_threads(hf_model, cfg.vocab_size, args.rows, args.new)
 
   ours_runs, ref_runs = [], []
   for _ in range(args.repeats):
-    ours_runs.append(ours_turn(graphdef, state, cfg, ids, args.new))
+    ours_runs.append(ours_turn(graphdef, state, ids, args.new))
     ref_runs.append(reference_turn(hf_model, torch_ids, args.new))
   # Best prefill and best decode of the repeats, each side alike.
   ours, ref = (tuple(map(min, zip(*runs))) for runs in (ours_runs, ref_runs))

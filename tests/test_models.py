@@ -179,6 +179,7 @@ def test_kv_cache_init_grow_and_donation(model):
     (24, 1 << 22),    # every row in one block
     (96, 1 << 19),    # blocks of 2 rows (of 96 queries x 4 heads x 512 slots each)
     (96, 1 << 15),    # one row at a time, its queries in blocks of 16
+    (100, 1 << 15),   # 7 blocks of 15 queries, the last one padded with 5
 ])
 def test_cached_attention_equals_attention(t, score_block):
   """A decode step and the row and query blocks compute plain attention."""

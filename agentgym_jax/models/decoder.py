@@ -173,10 +173,14 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   Same arguments and result as `attention`, in blocks of rows (and, when one row's scores
   exceed `score_block` elements, of that row's queries) of at most `score_block` scores each.
   A decode step (T = 1) is plain `attention` over all rows at once: its G query heads per kv
-  head make the matmul rows. A multiply-and-reduce over the transposed keys, with the values
-  summed in groups of 64 slots, cost about the same from 256 to 1,024 slots but fell off a
-  cliff past ~1,500 on an Intel Xeon (AVX-512): 32 decode steps of the 4M rollout benchmark
-  model, 32 rows, 583 vs 2,809 ms at 1,536 slots, 787 vs 4,057 ms at 2,048.
+  head make the matmul rows. A row's queries split into equal blocks, the last padded where
+  they do not divide evenly (padded queries see no key and are dropped): 1,400 queries in 5
+  blocks of 280, where blocks dividing 1,400 by a power of two were 175 blocks of 8 (one
+  extend of 32 rows x 1,400 tokens at 1,536 slots, the rollout benchmark's 4M model: 4.2-4.4
+  s, 7.4 s before). A multiply-and-reduce over the transposed keys, with the values summed in
+  groups of 64 slots, cost about the same from 256 to 1,024 slots but fell off a cliff past
+  ~1,500 on an Intel Xeon (AVX-512): 32 decode steps of the 4M rollout benchmark model, 32
+  rows, 583 vs 2,809 ms at 1,536 slots, 787 vs 4,057 ms at 2,048.
   """
   b, t, kh, g, dh = q.shape
   per_query = kh * g * k.shape[3]  # scores of one query of one row
@@ -186,17 +190,20 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
         b, lambda n: per_query * t * n <= score_block)
   else:  # a row's scores alone overflow the block: one row at a time, its queries in blocks
     rows = 1
-    queries = _largest_power_of_two_block(t, lambda n: per_query * n <= score_block)
+    blocks = -(-t // max(score_block // per_query, 1))
+    queries = -(-t // blocks)
 
   def row_block(qkvm):
     q, k, v, mask = qkvm
-    if queries == t:
+    if queries >= t:
       return attention(q, k, v, mask)
-    n = t // queries
-    q_blocks = q.reshape(rows, n, queries, kh, g, dh).swapaxes(0, 1)
-    mask_blocks = mask.reshape(rows, n, queries, -1).swapaxes(0, 1)
-    out = jax.lax.map(lambda qm: attention(qm[0], k, v, qm[1]), (q_blocks, mask_blocks))
-    return out.swapaxes(0, 1).reshape(rows, t, kh * g * dh)
+    n = -(-t // queries)
+    pad = ((0, 0), (0, n * queries - t))
+    q_blocks = jnp.pad(q, pad + ((0, 0),) * 3).reshape(rows, n, queries, kh, g, dh)
+    mask_blocks = jnp.pad(mask, pad + ((0, 0),)).reshape(rows, n, queries, -1)
+    out = jax.lax.map(lambda qm: attention(qm[0], k, v, qm[1]),
+                      (q_blocks.swapaxes(0, 1), mask_blocks.swapaxes(0, 1)))
+    return out.swapaxes(0, 1).reshape(rows, n * queries, kh * g * dh)[:, :t]
 
   if rows == b:
     return row_block((q, k, v, mask))
