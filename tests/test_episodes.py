@@ -410,6 +410,29 @@ def test_compaction_and_sharding_do_not_change_samples(tok, model, monkeypatch):
     np.testing.assert_allclose(other.sample_logprobs, plain.sample_logprobs, atol=1e-4)
 
 
+def test_each_replica_keeps_its_own_lockstep(tok, model, monkeypatch):
+  """A replica's environments step and its next turn is dispatched before the other
+  replica's replies are taken, so no device waits for another replica's host work."""
+  graphdef, state = nnx.split(model)
+  events = []
+  spied = sampler.decode
+  monkeypatch.setattr(sampler, "decode", lambda *args, **kwargs: events.append(
+      ("decode", next(iter(args[2].lengths.sharding.device_set)).id)) or spied(*args, **kwargs))
+
+  class Pool(FakePool):
+    def step(self, slots, responses):
+      events.append(("step", tuple(slots)))
+      return super().step(slots, responses)
+
+  # Task 3 lasts 4 turns: all four episodes run both turns, two on each replica.
+  _, stats = run_episodes(graphdef, state, tok, Pool(), [3, 3, 3, 3], max_turns=2,
+                          sampling=SAMPLING, max_context=1024, rng=0, replicas=2)
+  first, second = (("decode", d.id) for d in jax.local_devices()[:2])
+  assert events == [first, second, ("step", (0, 1)), first, ("step", (2, 3)), second,
+                    ("step", (0, 1)), ("step", (2, 3))]
+  assert len(stats["turn_seconds"]) == 2
+
+
 def test_overlapped_env_steps_sample_what_lockstep_samples(tok, model, monkeypatch):
   graphdef, state = nnx.split(model)
   run = lambda pool, **kw: run_episodes(graphdef, state, tok, pool, [0, 1, 2, 3, 5, 6],

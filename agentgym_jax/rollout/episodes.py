@@ -16,9 +16,10 @@ model sees is exactly `window.context_tokens`, which the trainer's per-turn rows
 
 Two schedules (`overlap_env`):
 
-* lock-step (default): every running episode samples its turn, then the environments step
-  them all together, then the next turn starts. Each turn waits for its slowest reply and its
-  slowest environment.
+* lock-step (default): every running episode of a batch samples its turn, then their
+  environments step together, then the batch's next turn starts. Each turn waits for its
+  slowest reply and its slowest environment. With replicas, each batch keeps its own lock-step:
+  while one replica's replies are with the host and its environments, the others decode.
 * overlapped: each replica's episodes are split into two cohorts, each a batch that runs its
   turns in lock-step, and the cohorts take turns on the device: while one cohort's replies are
   with the environments (`EnvPool.submit`), the other cohort extends and decodes, and a cohort
@@ -276,35 +277,38 @@ class _BlockingSubmit:
 
 def _lockstep(host: _Episodes, batches: list[DecodeBatch], pool: Any, compact: bool,
               on_ended: Callable[[int], None] | None) -> tuple[list[float], float]:
-  """Turn after turn: every running episode samples, then every environment steps.
+  """Turn after turn: a batch's running episodes sample, then their environments step.
 
-  Returns the wall time of each turn and the seconds spent stepping environments.
+  Each batch (replica) keeps its own lock-step: its replies are fetched in dispatch order, its
+  environments step and its next turn is dispatched while the other batches still decode, so
+  no device sits idle through another replica's replies, environment steps and next chunks
+  (with one batch this is the plain loop).
+
+  Returns the wall time of each turn (until every batch has finished it) and the seconds spent
+  stepping environments.
   """
-  turn_seconds, env_seconds = [], 0.0
-  for _ in range(host.max_turns):
-    if not host.running.any():
-      break
-    turn_start = time.perf_counter()
+  start = time.perf_counter()
+  finished_at: dict[int, float] = {}  # turn -> when the last batch finished it
+  env_seconds = 0.0
+  queue = collections.deque((batch, live, 0) for batch in batches
+                            if (live := host.begin_turn(batch, compact)) is not None)
+  while queue:
+    batch, live, turn = queue.popleft()
     num_running = int(host.running.sum())
-    # Dispatch every replica's extend and decode first; they run while the next is queued.
-    dispatched = [(batch, live) for batch in batches
-                  if (live := host.begin_turn(batch, compact)) is not None]
-    slots, responses = [], []
-    turns = jax.device_get([(b.turn.tokens, b.turn.logprobs, b.turn.counts)
-                            for b, _ in dispatched])
-    for (batch, live), sampled in zip(dispatched, turns):
-      batch_slots, batch_responses = host.take_replies(batch, live, sampled)
-      slots += batch_slots
-      responses += batch_responses
+    sampled = jax.device_get((batch.turn.tokens, batch.turn.logprobs, batch.turn.counts))
+    slots, responses = host.take_replies(batch, live, sampled)
     env_start = time.perf_counter()
     outcomes = pool.step(slots, responses)
     env_seconds += time.perf_counter() - env_start
     for ep, out in zip(slots, outcomes):
       host.record_step(ep, out)
-    turn_seconds.append(time.perf_counter() - turn_start)
+    finished_at[turn] = time.perf_counter()
     if on_ended is not None:
       on_ended(num_running - int(host.running.sum()))
-  return turn_seconds, env_seconds
+    if (live := host.begin_turn(batch, compact)) is not None:
+      queue.append((batch, live, turn + 1))
+  ends = [start] + [finished_at[turn] for turn in sorted(finished_at)]
+  return [b - a for a, b in zip(ends, ends[1:])], env_seconds
 
 
 def _overlapped(host: _Episodes, batches: list[DecodeBatch], pool: Any, compact: bool,
