@@ -185,25 +185,24 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   b, t, kh, g, dh = q.shape
   per_query = kh * g * k.shape[3]  # scores of one query of one row
   if per_query * t <= score_block:
-    queries = t
+    blocks = 1
     rows = b if per_query * t * b <= score_block else _largest_power_of_two_block(
         b, lambda n: per_query * t * n <= score_block)
   else:  # a row's scores alone overflow the block: one row at a time, its queries in blocks
     rows = 1
     blocks = -(-t // max(score_block // per_query, 1))
-    queries = -(-t // blocks)
+  queries = -(-t // blocks)
 
   def row_block(qkvm):
     q, k, v, mask = qkvm
-    if queries >= t:
+    if blocks == 1:
       return attention(q, k, v, mask)
-    n = -(-t // queries)
-    pad = ((0, 0), (0, n * queries - t))
-    q_blocks = jnp.pad(q, pad + ((0, 0),) * 3).reshape(rows, n, queries, kh, g, dh)
-    mask_blocks = jnp.pad(mask, pad + ((0, 0),)).reshape(rows, n, queries, -1)
+    pad = ((0, 0), (0, blocks * queries - t))
+    q_blocks = jnp.pad(q, pad + ((0, 0),) * 3).reshape(rows, blocks, queries, kh, g, dh)
+    mask_blocks = jnp.pad(mask, pad + ((0, 0),)).reshape(rows, blocks, queries, -1)
     out = jax.lax.map(lambda qm: attention(qm[0], k, v, qm[1]),
                       (q_blocks.swapaxes(0, 1), mask_blocks.swapaxes(0, 1)))
-    return out.swapaxes(0, 1).reshape(rows, n * queries, kh * g * dh)[:, :t]
+    return out.swapaxes(0, 1).reshape(rows, blocks * queries, kh * g * dh)[:, :t]
 
   if rows == b:
     return row_block((q, k, v, mask))
