@@ -181,8 +181,9 @@ def base_config() -> ml_collections.ConfigDict:
   # 0 keeps every turn: one packed row per episode.
   c.rollout.history_turns = 0
   # Independent rollout batches, each on its own slice of the mesh's data axis with its own
-  # copy of the parameters: no per-token synchronisation between them. On a CPU host: one per
-  # core, with XLA_FLAGS=--xla_force_host_platform_device_count=<cores>.
+  # copy of the parameters: no per-token synchronisation between them, and each keeps its own
+  # lock-step (one replica's environments step while the others decode). On a CPU host: one
+  # per core, with XLA_FLAGS=--xla_force_host_platform_device_count=<cores>.
   c.rollout.replicas = 1
   # Overlap environment steps with decoding: each replica's episodes form two cohorts that take
   # turns, one decoding while the other's environments step (same samples as lock-step; for
