@@ -34,11 +34,12 @@ FAMILIES = {
 }
 
 
-def write_checkpoint(path, family, seed=0):
-  """Saves a random tiny transformers model; biases and norm scales are perturbed from their
-  zero/one init so that a loader mixing them up cannot pass. Returns the torch model."""
+def write_checkpoint(path, family, seed=0, **overrides):
+  """Saves a random tiny transformers model (config fields `overrides` changed); biases and
+  norm scales are perturbed from their zero/one init so that a loader mixing them up cannot
+  pass. Returns the torch model."""
   config_cls, model_cls, extra = FAMILIES[family]
-  config = getattr(transformers, config_cls)(**{**_SMALL, **extra})
+  config = getattr(transformers, config_cls)(**{**_SMALL, **extra, **overrides})
   torch.manual_seed(seed)
   model = getattr(transformers, model_cls)(config).eval()
   with torch.no_grad():
@@ -107,6 +108,20 @@ def test_logits_match_transformers(tmp_path, family):
   assert diff < 1e-4, f"{family}: max |logit diff| {diff}"
   diff = np.abs(cached_logits(model, cfg, tokens, jnp.float32) - ref)[valid].max()
   assert diff < 1e-4, f"{family}, cached: max |logit diff| {diff}"
+
+
+def test_a_long_prefill_in_padded_query_blocks_matches_transformers(tmp_path):
+  """601 tokens into 2,048 slots overflow one block of attention scores (4 heads x 2,048 slots
+  x 601 queries > 2^22), so each row's queries run in 2 blocks of 301, the last padded."""
+  torch_model = write_checkpoint(tmp_path, "qwen3", max_position_embeddings=2048)
+  cfg, model = load_hf(tmp_path)
+  tokens = np.random.RandomState(1).randint(0, 256, (2, 601)).astype(np.int32)
+  ref = transformers_logits(torch_model, tokens, np.ones_like(tokens, bool))
+  logits, cache = nnx.jit(lambda m, t, n, c: m.extend(t, n, c))(
+      model, jnp.asarray(tokens), jnp.full((2,), 601, jnp.int32), KVCache.init(cfg, 2, 2048))
+  assert cfg.num_heads * 2048 * 601 > 1 << 22
+  np.testing.assert_array_equal(cache.lengths, [601, 601])
+  assert np.abs(np.asarray(logits) - ref).max() < 1e-4
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
