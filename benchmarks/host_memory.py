@@ -29,6 +29,7 @@ Must run before JAX starts its backend: the dispatch mode is fixed when the clie
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import platform
 
@@ -48,3 +49,11 @@ def keep_freed_memory() -> bool:
   libc = ctypes.CDLL(None)  # the libc this process already runs on
   # mallopt returns 1 on success, 0 on a value it rejects.
   return all([libc.mallopt(_M_MMAP_MAX, 0), libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_ABOVE)])
+
+
+def add_option(parser: argparse.ArgumentParser) -> None:
+  """Adds `--keep_freed_memory` to a training benchmark's flags (apply it with
+  `args.keep_freed_memory and keep_freed_memory()`, before JAX starts its backend)."""
+  parser.add_argument("--keep_freed_memory", action="store_true",
+                      help="glibc keeps freed memory in the process, for both sides "
+                           "(benchmarks/host_memory.py): steps without fresh page faults")

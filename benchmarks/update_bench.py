@@ -113,9 +113,7 @@ def main():
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--vocab", type=int, default=4096)
   parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--keep_freed_memory", action="store_true",
-                      help="glibc keeps freed memory in the process, for both sides "
-                           "(benchmarks/host_memory.py): steps without fresh page faults")
+  host_memory.add_option(parser)
   args = parser.parse_args()
   kept = args.keep_freed_memory and host_memory.keep_freed_memory()
   loadavg.report("start", malloc_kept=kept)
