@@ -159,6 +159,19 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
   return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, mesh))
 
 
+def traced_under(mesh: Mesh, fn: Callable) -> Callable:
+  """`fn`, traced with `mesh` as the current mesh, so every `constrain` inside it pins.
+
+  A jitted step must carry its activation pins whoever calls or lowers it (the trainer, an
+  evaluation, the TPU plan), not only when the caller remembered `jax.set_mesh`; the abstract
+  mesh is all tracing needs, and it is the same on every process.
+  """
+  def under_mesh(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+  return under_mesh
+
+
 # "1": start JAX's multi-controller runtime and let JAX detect the cluster (a Cloud TPU slice).
 DISTRIBUTED_ENV = "AGENTGYM_DISTRIBUTED"
 # Seconds a process may miss heartbeats before the job stops (JAX's own default is 100).

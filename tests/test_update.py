@@ -333,3 +333,20 @@ def test_update_config_rejects_bad_values(field, value, match):
   c.algo[field] = value
   with pytest.raises(ValueError, match=match):
     update_lib.UpdateConfig.from_config(c)
+
+
+def test_the_jitted_steps_pin_activations_whoever_calls_them(run):
+  # Lowered outside any `jax.set_mesh`, as the trainer calls them: the decoder's pins on the
+  # [rows, T, D] activations (`sharding.constrain`) must still be in the programs.
+  state = run.fresh()
+  batch = run.batch(state)
+  hidden = f"x{CFG.hidden_size}xf32>"
+  def activation_pins(lowered):
+    return [line for line in lowered.as_text().splitlines()
+            if "sharding_constraint" in line and line.rstrip().endswith(hidden)]
+  update = activation_pins(run.step.lower(state, batch))
+  scoring = activation_pins(run.logprobs.lower(state.policy, batch["tokens"], batch["valid"]))
+  # One pin after the embedding and one after each block, forward (and its remat/backward).
+  assert len(update) >= CFG.num_layers + 1, update
+  assert len(scoring) >= CFG.num_layers + 1, scoring
+  assert all('{"data", "fsdp"}' in line for line in update + scoring), update + scoring

@@ -395,7 +395,8 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
                               critic=critic, critic_opt_state=critic_opt_state)
     return new_state, jax.tree.map(jnp.mean, metrics)
 
-  return jax.jit(update, in_shardings=(state_shardings, rows_spec),
+  return jax.jit(sharding_lib.traced_under(mesh, update),
+                 in_shardings=(state_shardings, rows_spec),
                  out_shardings=(state_shardings, NamedSharding(mesh, P())),
                  donate_argnums=(0,))
 
@@ -424,11 +425,12 @@ def make_scorers(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
     logits = nnx.merge(policy_def, params)(tokens, valid)
     return token_logprobs(logits, tokens, temperature)
 
-  logprobs = jax.jit(functools.partial(scan_rows, logprob_fn),
+  logprobs = jax.jit(sharding_lib.traced_under(mesh, functools.partial(scan_rows, logprob_fn)),
                      in_shardings=(None, rows_spec, rows_spec), out_shardings=rows_spec)
   if critic_def is None:
     return logprobs, None
   value_fn = functools.partial(critic_values, graphdef=critic_def)
-  values = jax.jit(functools.partial(scan_rows, lambda p, t, v: value_fn(p, tokens=t, valid=v)),
+  values = jax.jit(sharding_lib.traced_under(
+      mesh, functools.partial(scan_rows, lambda p, t, v: value_fn(p, tokens=t, valid=v))),
                    in_shardings=(None, rows_spec, rows_spec), out_shardings=rows_spec)
   return logprobs, values
