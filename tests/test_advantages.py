@@ -28,6 +28,15 @@ def _whiten_ref(x, mask):
 
 # ---------------------------------------------------------------------------- golden values
 
+# The held-out golden values hold in both precisions.
+PRECISIONS = pytest.mark.parametrize("x64", [False, True], ids=["float32", "float64"])
+
+
+def _in_precision(x64, *arrays):
+  """The arrays as float64 (x64) or float32 inputs."""
+  dtype = np.float64 if x64 else np.float32
+  return [np.asarray(a, dtype) for a in arrays]
+
 
 # Shared tiny layout, B=2, L=5:
 #   row 0: agent agent | obs | agent | pad     (turn 1 = t0..t1, turn 2 = t3)
@@ -64,7 +73,8 @@ def test_masked_whiten_golden():
   np.testing.assert_allclose(out, [[-1.0, 0.0, 1.0, 0.0]], atol=1e-6)
 
 
-def test_reinforce_plus_plus_golden():
+@PRECISIONS
+def test_reinforce_plus_plus_golden(x64):
   rewards = REWARDS.copy()
   rewards[0, 1] = 0.5   # a per-turn reward at the end of row 0's first turn
   # gamma = 0.5, G' carried through observation tokens:
@@ -75,9 +85,10 @@ def test_reinforce_plus_plus_golden():
   # Whitening: returns on agent tokens 0.5, 1, 1, 0.5, 1, 2: mean 6/6 = 1, deviations
   # -0.5, 0, 0, -0.5, 0, 1 -> sum of squares 1.5, unbiased var 1.5 / 5 = 0.3.
   want_adv = (want_returns - 1.0) / np.sqrt(0.3 + 1e-8) * MASK
-  adv, ret = ESTIMATORS["reinforce_plus_plus"](rewards, MASK, gamma=0.5)
-  np.testing.assert_allclose(ret, want_returns, atol=1e-6)
-  np.testing.assert_allclose(adv, want_adv, atol=1e-6)
+  with jax.enable_x64(x64):
+    adv, ret = ESTIMATORS["reinforce_plus_plus"](*_in_precision(x64, rewards, MASK), gamma=0.5)
+  np.testing.assert_allclose(ret, want_returns, atol=1e-12 if x64 else 1e-6)
+  np.testing.assert_allclose(adv, want_adv, atol=1e-12 if x64 else 1e-6)
 
 
 # Group layout, B=4, L=6: rows 0-2 are group 7 (scores 1, 0, 0), row 3 is group 9 alone (score 1).
@@ -93,47 +104,59 @@ G_REWARDS = np.array([[0, 0, 0, 1, 0, 0],
 G_IDS = np.array([7, 7, 7, 9])
 
 
-def test_grpo_golden():
+@PRECISIONS
+def test_grpo_golden(x64):
   # Group 7: mean 1/3; deviations 2/3, -1/3, -1/3 -> unbiased var (4/9 + 1/9 + 1/9) / 2 = 1/3.
   # Group 9 is a singleton: mean 0, std 1 -> A = 1 / (1 + eps).
   std, eps = np.sqrt(1 / 3), 1e-6
   want = np.array([(2 / 3) / (std + eps), (-1 / 3) / (std + eps), (-1 / 3) / (std + eps),
                    1 / (1 + eps)])
-  adv, ret = ESTIMATORS["grpo"](G_REWARDS, G_MASK, group_ids=G_IDS, eps=eps)
-  np.testing.assert_allclose(adv, want[:, None] * G_MASK, atol=1e-6)
+  with jax.enable_x64(x64):
+    adv, ret = ESTIMATORS["grpo"](*_in_precision(x64, G_REWARDS, G_MASK), group_ids=G_IDS,
+                                  eps=eps)
+    assert adv.dtype == (jnp.float64 if x64 else jnp.float32)
+  np.testing.assert_allclose(adv, want[:, None] * G_MASK, atol=1e-12 if x64 else 1e-6)
   np.testing.assert_allclose(ret, adv)
 
 
-def test_drgrpo_golden():
+@PRECISIONS
+def test_drgrpo_golden(x64):
   # s - group mean: 1 - 1/3, 0 - 1/3, 0 - 1/3; singleton: 1 - 0.
   want = np.array([2 / 3, -1 / 3, -1 / 3, 1.0])
-  adv, _ = ESTIMATORS["drgrpo"](G_REWARDS, G_MASK, group_ids=G_IDS)
-  np.testing.assert_allclose(adv, want[:, None] * G_MASK, atol=1e-6)
+  with jax.enable_x64(x64):
+    adv, _ = ESTIMATORS["drgrpo"](*_in_precision(x64, G_REWARDS, G_MASK), group_ids=G_IDS)
+  np.testing.assert_allclose(adv, want[:, None] * G_MASK, atol=1e-12 if x64 else 1e-6)
 
 
-def test_rloo_golden():
+@PRECISIONS
+def test_rloo_golden(x64):
   # s - mean of the others: 1 - (0 + 0)/2 = 1, 0 - (1 + 0)/2 = -0.5 (twice); singleton keeps 1.
   want = np.array([1.0, -0.5, -0.5, 1.0])
-  adv, _ = ESTIMATORS["rloo"](G_REWARDS, G_MASK, group_ids=G_IDS)
-  np.testing.assert_allclose(adv, want[:, None] * G_MASK, atol=1e-6)
+  with jax.enable_x64(x64):
+    adv, _ = ESTIMATORS["rloo"](*_in_precision(x64, G_REWARDS, G_MASK), group_ids=G_IDS)
+  np.testing.assert_allclose(adv, want[:, None] * G_MASK, atol=1e-12 if x64 else 1e-6)
 
 
-def test_reinforce_plus_plus_baseline_golden():
+@PRECISIONS
+def test_reinforce_plus_plus_baseline_golden(x64):
   # s - group mean (singleton mean 0): 2/3, -1/3, -1/3, 1, repeated on 2, 1, 2, 1 tokens:
   # 2/3, 2/3, -1/3, -1/3, -1/3, 1 -> mean (4/3 - 1 + 1) / 6 = 2/9; deviations 4/9, 4/9, -5/9,
   # -5/9, -5/9, 7/9 -> squares sum (16+16+25+25+25+49)/81 = 156/81, unbiased var 156/405.
   dev = np.array([4 / 9, -5 / 9, -5 / 9, 7 / 9])
   want = dev[:, None] / np.sqrt(156 / 405 + 1e-8) * G_MASK
-  adv, ret = ESTIMATORS["reinforce_plus_plus_baseline"](G_REWARDS, G_MASK, group_ids=G_IDS)
-  np.testing.assert_allclose(adv, want, atol=1e-6)
+  with jax.enable_x64(x64):
+    adv, ret = ESTIMATORS["reinforce_plus_plus_baseline"](*_in_precision(x64, G_REWARDS, G_MASK),
+                                                          group_ids=G_IDS)
+  np.testing.assert_allclose(adv, want, atol=1e-12 if x64 else 1e-6)
   np.testing.assert_allclose(ret, adv)
 
 
-def turns_of(mask, rewards, seed=0, num_anchors=3, max_turns=32):
+def turns_of(mask, rewards, seed=0, num_anchors=3, max_turns=32, lone=0.2):
   """The `Turns` of rows laid out as above: each maximal run of agent tokens is a turn (the
   observation after it keeps its index), each turn's reward is what `rewards` holds on its
   agent tokens, and turn k's anchor is drawn from `num_anchors` states (so some turns of a
-  group share one, some do not)."""
+  group share one, some do not), or with probability `lone` is a state of its own (a step
+  group of one)."""
   mask = np.asarray(mask) > 0
   index = np.full(mask.shape, -1, np.int32)
   anchors = np.full((mask.shape[0], max_turns), -1, np.int32)
@@ -144,7 +167,9 @@ def turns_of(mask, rewards, seed=0, num_anchors=3, max_turns=32):
       if mask[b, t] and (t == 0 or not mask[b, t - 1]):
         turn += 1
       index[b, t] = turn
-    anchors[b, :turn + 1] = rng.integers(0, num_anchors, size=turn + 1)
+    anchors[b, :turn + 1] = np.where(rng.random(turn + 1) < lone,
+                                     1000 + b * max_turns + np.arange(turn + 1),
+                                     rng.integers(0, num_anchors, size=turn + 1))
   return advantages.Turns(index=jnp.asarray(index),
                           rewards=jnp.asarray(np.where(mask, rewards, 0.0)),
                           anchors=jnp.asarray(anchors))
@@ -168,7 +193,7 @@ def test_reward_on_last_agent_token_reaches_every_turn(name):
   rewards = outcome_rewards([1.0, 0.0], mask)
   adv, _ = ESTIMATORS[name](rewards, mask, values=jnp.zeros_like(rewards),
                             group_ids=jnp.array([0, 0]), gamma=1.0, lam=1.0,
-                            turns=turns_of(mask, rewards, num_anchors=1))
+                            turns=turns_of(mask, rewards, num_anchors=1, lone=0.0))
   adv = np.asarray(adv)
   assert adv[0][mask[0] > 0].min() > adv[1][mask[1] > 0].max(), adv
 
@@ -189,19 +214,28 @@ TURNS = advantages.Turns(index=jnp.asarray(TURN_INDEX), rewards=jnp.asarray(TURN
                          anchors=jnp.asarray(TURN_ANCHORS))
 
 
+@PRECISIONS
 @pytest.mark.parametrize("step_norm", ["mean_norm", "mean_std_norm"])
-def test_gigpo_golden(step_norm):
-  adv, ret = ESTIMATORS["gigpo"](TURN_REWARDS, TURN_MASK, group_ids=np.array([0, 0, 1]),
-                                 gamma=0.5, turns=TURNS, step_norm=step_norm)
-  # Episode level: scores 1, 0 (mean 0.5, std 0.7071) and 0.3 alone (mean 0, std 1).
+def test_gigpo_golden(step_norm, x64):
+  rewards, mask = _in_precision(x64, TURN_REWARDS, TURN_MASK)
+  turns = advantages.Turns(index=TURN_INDEX, rewards=rewards, anchors=TURN_ANCHORS)
+  with jax.enable_x64(x64):
+    adv, ret = ESTIMATORS["gigpo"](rewards, mask, group_ids=np.array([0, 0, 1]), gamma=0.5,
+                                   turns=turns, step_norm=step_norm)
+    # ω scales the step level only: ω = 0 is the episode level alone.
+    adv0, _ = ESTIMATORS["gigpo"](rewards, mask, group_ids=np.array([0, 0, 1]), gamma=0.5,
+                                  turns=turns, step_norm=step_norm, step_weight=0.0)
+  # Episode level: scores 1, 0 (mean 0.5, std 0.7071) and 0.3 alone (mean 0, std 1, as
+  # verl-agent's episode_norm_reward: A^E = 0.3).
   # Step level, γ = 0.5: the turn 0s share state 5, returns 0.5 and 0 (mean 0.25, std
-  # 0.3536); each turn 1 is alone in its state (return 1 and 0); row 2's turn is alone too:
-  # state 5 of another task is not the same step group.
+  # 0.3536); each turn 1 is alone in its state, and row 2's turn is alone too (state 5 of
+  # another task is not the same step group): a step group of one is its own mean, so its
+  # step advantage is 0 (the paper's Eq. 7; verl-agent's step_norm_reward).
   if step_norm == "mean_norm":
-    episode, turn0, turn1, alone = [0.5, -0.5], [0.25, -0.25], [1.0, 0.0], 0.3 + 0.3
+    episode, turn0, turn1, alone = [0.5, -0.5], [0.25, -0.25], [0.0, 0.0], 0.3
   else:
     r2 = 1 / np.sqrt(2)
-    episode, turn0, turn1, alone = [r2, -r2], [r2, -r2], [1.0, 0.0], 0.3 + 0.3
+    episode, turn0, turn1, alone = [r2, -r2], [r2, -r2], [0.0, 0.0], 0.3
   want = np.zeros((3, 8))
   for row in range(2):
     want[row, 2:4] = episode[row] + turn0[row]
@@ -209,10 +243,99 @@ def test_gigpo_golden(step_norm):
   want[2, 2] = alone
   np.testing.assert_allclose(adv, want, atol=1e-5)  # eps = 1e-6 in the std divisions
   np.testing.assert_array_equal(ret, adv)
-  # ω scales the step level only: ω = 0 is the episode level alone.
-  adv0, _ = ESTIMATORS["gigpo"](TURN_REWARDS, TURN_MASK, group_ids=np.array([0, 0, 1]),
-                                gamma=0.5, turns=TURNS, step_norm=step_norm, step_weight=0.0)
   np.testing.assert_allclose(adv0[0, 2:4], episode[0], atol=2e-6)
+
+
+@PRECISIONS
+@pytest.mark.parametrize("step_norm", ["mean_norm", "mean_std_norm"])
+def test_gigpo_lone_step_gets_zero_step_advantage(step_norm, x64):
+  # One one-step episode with reward 1, alone in its task group and in its step group:
+  # episode level 1 - 0 (a lone episode has baseline 0), step level 1 - 1 = 0 (the mean of a
+  # group of one is the member itself: GiGPO Eq. 7, verl-agent's step_norm_reward), so 1.0;
+  # treating the lone step like a lone episode would give 2.0.
+  mask, rewards = _in_precision(x64, [[0, 1, 1]], [[0, 0, 1]])
+  turns = advantages.Turns(index=np.array([[-1, 0, 0]], np.int32), rewards=rewards,
+                           anchors=np.array([[3]], np.int32))
+  with jax.enable_x64(x64):
+    adv, _ = ESTIMATORS["gigpo"](rewards, mask, group_ids=np.array([0]), turns=turns,
+                                 step_norm=step_norm)
+  np.testing.assert_allclose(adv, [[0, 1.0, 1.0]], atol=2e-6)
+
+
+# Groups of equal rewards carry no signal: their advantage must be exactly 0, not rounding noise
+# of the group mean divided by std + eps (float32: 8 x 0.9 gave GRPO 0.056 on every token).
+EQUAL_VALUES = (0.9, 0.1, 1 / 3)
+
+
+def _equal_groups(x64, values=EQUAL_VALUES, sizes=(8, 3, 5), mixed=False):
+  """Groups of equal outcomes (group g: sizes[g] copies of values[g]), each episode of two
+  turns that act from the same states with the same step rewards (so every step group is
+  equal too); with `mixed`, a last group of 4 with outcomes 0, 1, 0.9, 0.9.
+  -> (rewards, mask, group_ids, turns, rows of the equal groups)."""
+  scores, ids = [], []
+  for g, (value, size) in enumerate(zip(values, sizes)):
+    scores += [value] * size
+    ids += [g] * size
+  equal_rows = len(scores)
+  if mixed:
+    scores += [0.0, 1.0, 0.9, 0.9]
+    ids += [len(values)] * 4
+  b = len(scores)
+  dtype = np.float64 if x64 else np.float32
+  mask = np.tile(np.array([0, 1, 1, 0, 1, 1, 0], dtype), (b, 1))
+  rewards = np.zeros_like(mask)
+  rewards[:, 5] = np.asarray(scores, dtype)
+  index = np.tile(np.array([-1, 0, 0, 0, 1, 1, 1], np.int32), (b, 1))
+  anchors = np.tile(np.array([[10, 11]], np.int32), (b, 1))
+  turns = advantages.Turns(index=index, rewards=rewards, anchors=anchors)
+  return rewards, mask, np.asarray(ids), turns, equal_rows
+
+
+EQUAL_CASES = [("grpo", {}), ("drgrpo", {}), ("rloo", {}), ("reinforce_plus_plus_baseline", {}),
+               ("gigpo", {"step_norm": "mean_norm", "gamma": 0.95}),
+               ("gigpo", {"step_norm": "mean_std_norm", "gamma": 0.95})]
+
+
+@PRECISIONS
+@pytest.mark.parametrize("name,options", EQUAL_CASES,
+                         ids=[f"{n}-{o.get('step_norm', '')}" for n, o in EQUAL_CASES])
+def test_equal_rewards_give_exactly_zero_advantage(name, options, x64):
+  # A batch of equal groups only (0.9 x 8, 0.1 x 3, 1/3 x 5): every estimator with group (or
+  # batch) statistics gives exactly 0.
+  rewards, mask, ids, turns, _ = _equal_groups(x64)
+  with jax.enable_x64(x64):
+    adv, _ = ESTIMATORS[name](rewards, mask, group_ids=ids, turns=turns, **options)
+  np.testing.assert_array_equal(adv, 0.0)
+
+
+@PRECISIONS
+@pytest.mark.parametrize("value", EQUAL_VALUES)
+def test_equal_returns_whiten_to_exactly_zero(value, x64):
+  # Batch statistics (REINFORCE++'s whitening of returns): a batch of equal returns gives 0.
+  rewards, mask, ids, turns, _ = _equal_groups(x64, values=(value,) * 3)
+  with jax.enable_x64(x64):
+    adv, ret = ESTIMATORS["reinforce_plus_plus"](rewards, mask, gamma=1.0)
+    whitened = advantages.masked_whiten(jnp.full(mask.shape, value, mask.dtype), mask)
+  np.testing.assert_array_equal(ret, value * mask)
+  np.testing.assert_array_equal(adv, 0.0)
+  np.testing.assert_array_equal(whitened, 0.0)
+
+
+@PRECISIONS
+@pytest.mark.parametrize("name,options", [c for c in EQUAL_CASES
+                                          if c[0] in ("grpo", "drgrpo", "rloo", "gigpo")],
+                         ids=lambda x: x if isinstance(x, str) else x.get("step_norm", ""))
+@pytest.mark.parametrize("value", EQUAL_VALUES)
+def test_equal_group_beside_a_mixed_one_gets_exactly_zero(name, options, value, x64):
+  # Per-group estimators (no batch whitening): the equal group's rows are exactly 0 whatever
+  # the other groups hold, and the mixed group still gets its signal.
+  rewards, mask, ids, turns, equal_rows = _equal_groups(x64, values=(value,), sizes=(8,),
+                                                        mixed=True)
+  with jax.enable_x64(x64):
+    adv, _ = ESTIMATORS[name](rewards, mask, group_ids=ids, turns=turns, **options)
+  adv = np.asarray(adv)
+  np.testing.assert_array_equal(adv[:equal_rows], 0.0)
+  assert np.abs(adv[equal_rows:]).max() > 0.1
 
 
 def test_turn_gae_golden():
@@ -324,10 +447,12 @@ def group_loop(name, rewards, mask, group_ids, eps):
   return adv, adv
 
 
-def _group_norm(members, x, eps, divide):
-  """(x - mean) [/ (std + eps)] over `members`, mean 0 / std 1 for a group of one."""
+def _group_norm(members, x, eps, divide, lone_mean=0.0):
+  """(x - mean) [/ (std + eps)] over `members`; a group of one has std 1 and mean `lone_mean`
+  (verl-agent: 0 for an episode alone in its task group, `episode_norm_reward`; the member
+  itself for a step alone in its state, `step_norm_reward`)."""
   s = np.asarray(members)
-  mean, std = (s.mean(), s.std(ddof=1)) if len(s) > 1 else (0.0, 1.0)
+  mean, std = (s.mean(), s.std(ddof=1)) if len(s) > 1 else (lone_mean, 1.0)
   return (x - mean) / (std + eps) if divide else x - mean
 
 
@@ -354,7 +479,8 @@ def gigpo_loop(rewards, mask, group_ids, turns, gamma, eps, step_weight=1.0,
     for t in np.flatnonzero(mask[b]):
       k = index[b, t]
       adv[b, t] = (_group_norm(episodes[g], scores[b], eps, divide) + step_weight
-                   * _group_norm(steps[g, anchors[b, k]], returns[b, k], eps, divide))
+                   * _group_norm(steps[g, anchors[b, k]], returns[b, k], eps, divide,
+                                 lone_mean=returns[b, k]))
   return adv, adv
 
 

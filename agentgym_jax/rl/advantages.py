@@ -120,13 +120,24 @@ def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(mask > 0, x, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def _first_member_value(x: jax.Array, same: jax.Array) -> jax.Array:
+  """x [N] at the first member of each row's set: `same` [M, N] bool -> [M] (x[0] where a row
+  has no member; its statistics are then unused)."""
+  return x[jnp.argmax(same, axis=1)]
+
+
 def masked_whiten(x: jax.Array, mask: jax.Array) -> jax.Array:
   """Whitens x [B, L] over the masked tokens of the whole batch -> [B, L], 0 where mask is 0.
 
   (x - μ) / sqrt(σ² + 1e-8), μ and σ² the masked mean and unbiased (n / (n - 1)) variance, as
   verl's `masked_whiten`. With n <= 1 masked tokens the result is 0 instead of verl's error.
+  The statistics are taken of x - x₀, x₀ the first masked token's value (the same μ, σ²
+  mathematically): equal values then give exactly 0, not their mean's rounding error
+  amplified by rsqrt(1e-8) (`_stats_over`).
   """
   n = jnp.sum(mask)
+  inside = (mask > 0).reshape(-1)
+  x = x - _first_member_value(x.reshape(-1), inside[None, :])[0]
   mean = masked_mean(x, mask)
   centered = jnp.where(mask > 0, x - mean, 0.0)
   var = jnp.sum(jnp.square(centered)) / jnp.maximum(n - 1.0, 1.0)
@@ -134,13 +145,14 @@ def masked_whiten(x: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def _group_stats(scores: jax.Array, group_ids: jax.Array, members: jax.Array | None = None):
-  """Per-row statistics of the row's group: (mean [B], unbiased std [B], size [B]).
+  """Per-row statistics of the row's group: (score - group mean [B], unbiased std [B],
+  size [B]).
 
   A [B, B] same-group indicator replaces verl's Python dict of lists: ids can be any integers,
   no static group count is needed, and the products are elementwise (exact in float32 on every
   backend, unlike a matmul at default TPU precision); B² elements are cheap for B in the
-  thousands. Singleton groups get mean 0 and std 1, as
-  verl: a lone sample has no baseline, so its advantage is its own score.
+  thousands. Singleton groups get mean 0 and std 1, as verl: a lone sample has no baseline,
+  so its advantage is its own score.
 
   `members` [B] bool (default all) says which rows the statistics are computed over; `size`
   counts them. A group of several rows left with fewer than two members has no baseline
@@ -150,25 +162,42 @@ def _group_stats(scores: jax.Array, group_ids: jax.Array, members: jax.Array | N
   return _stats_over(scores, group_ids[:, None] == group_ids[None, :], members)
 
 
-def _stats_over(scores: jax.Array, same: jax.Array, members: jax.Array | None = None):
+def _stats_over(scores: jax.Array, same: jax.Array, members: jax.Array | None = None, *,
+                lone_is_own_mean: bool = False):
   """`_group_stats` for any grouping: `same` [N, N] bool says which entries share a group
-  (reflexive and symmetric). -> (mean [N], unbiased std [N], size [N])."""
-  same = same.astype(scores.dtype)
-  rows = jnp.sum(same, axis=1)
+  (reflexive and symmetric). -> (score - group mean [N], unbiased std [N], size [N]).
+
+  Exactly 0 for equal members: the deviations and the std are computed from the scores minus
+  the group's first member, c_j = s_j - s_first, as (c_b - mean(c)) and std(c) (the same
+  values mathematically). Equal members have c = 0 exactly, so their deviation and std are 0
+  and every estimator's advantage is 0, where s_b - mean(s) would be the rounding error of the
+  mean (float32: 8 x 0.9 -> -6e-8, which GRPO's division by std + 1e-6 made -0.056).
+
+  `lone_is_own_mean`: a true singleton (no other row in `same`) is its own mean (deviation 0)
+  instead of having mean 0 (deviation = its score): GiGPO's step groups (Eq. 7).
+  """
+  dtype = scores.dtype
+  rows = jnp.sum(same.astype(dtype), axis=1)
   if members is not None:
-    same = same * members[None, :].astype(scores.dtype)
-  size = jnp.sum(same, axis=1)
-  mean = jnp.sum(same * scores[None, :], axis=1) / jnp.maximum(size, 1.0)
-  var = jnp.sum(same * jnp.square(scores[None, :] - mean[:, None]), axis=1) / jnp.maximum(
+    same = same & members[None, :].astype(bool)
+  weights = same.astype(dtype)
+  size = jnp.sum(weights, axis=1)
+  first = _first_member_value(scores, same)
+  centred = scores[None, :] - first[:, None]  # [N, N]: member j's score minus row i's first
+  mean = jnp.sum(weights * centred, axis=1) / jnp.maximum(size, 1.0)
+  deviation = (scores - first) - mean
+  var = jnp.sum(weights * jnp.square(centred - mean[:, None]), axis=1) / jnp.maximum(
       size - 1.0, 1.0)
   single = size < 2
-  mean = jnp.where(single, jnp.where(rows < 2, 0.0, scores), mean)
-  return mean, jnp.where(single, 1.0, jnp.sqrt(var)), size
+  lone_deviation = 0.0 if lone_is_own_mean else jnp.where(rows < 2, scores, 0.0)
+  deviation = jnp.where(single, lone_deviation, deviation)
+  return deviation, jnp.where(single, 1.0, jnp.sqrt(var)), size
 
 
 def _group_outcomes(name: str, rewards, mask, group_ids):
   """The group estimators' common start: checks and casts (`_prepare`), then each row's outcome
-  s_b = Σ_t r_bt and its group's statistics. -> (mask, scores [B], mean [B], std [B], size [B]).
+  s_b = Σ_t r_bt and its group's statistics. -> (mask, scores [B], s_b - mean_g [B] (exactly 0
+  in a group of equal outcomes), std [B], size [B]).
 
   Rows without agent tokens are no sample of the policy (a failed episode, whose loss mask the
   trajectory zeroes, or one that ended before its first turn): they stay out of the statistics.
@@ -291,8 +320,8 @@ def grpo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=
   A_b·mask. Singleton groups use mean 0, std 1 (verl). Needs `group_ids` [B]; `values`,
   `gamma`, `lam` are unused.
   """
-  mask, scores, mean, std, _ = _group_outcomes("grpo", rewards, mask, group_ids)
-  return _broadcast((scores - mean) / (std + eps), mask)
+  mask, _, deviation, std, _ = _group_outcomes("grpo", rewards, mask, group_ids)
+  return _broadcast(deviation / (std + eps), mask)
 
 
 @ESTIMATORS.register("drgrpo")
@@ -307,8 +336,8 @@ def drgrpo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, ep
   tokens. Pair it with the `seq-mean-token-sum-norm` loss aggregation for the paper's unbiased
   objective. Singleton groups: A_b = s_b. Needs `group_ids` [B].
   """
-  mask, scores, mean, _, _ = _group_outcomes("drgrpo", rewards, mask, group_ids)
-  return _broadcast(scores - mean, mask)
+  mask, _, deviation, _, _ = _group_outcomes("drgrpo", rewards, mask, group_ids)
+  return _broadcast(deviation, mask)
 
 
 @ESTIMATORS.register("rloo")
@@ -323,9 +352,9 @@ def rloo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=
   on the agent tokens (advantages = returns). Singleton groups have no other sample: A_b = s_b
   (verl). Needs `group_ids` [B].
   """
-  mask, scores, mean, _, size = _group_outcomes("rloo", rewards, mask, group_ids)
+  mask, _, deviation, _, size = _group_outcomes("rloo", rewards, mask, group_ids)
   scale = jnp.where(size > 1, size / jnp.maximum(size - 1.0, 1.0), 1.0)
-  return _broadcast(scale * (scores - mean), mask)
+  return _broadcast(scale * deviation, mask)
 
 
 @ESTIMATORS.register("reinforce_plus_plus")
@@ -361,9 +390,9 @@ def reinforce_plus_plus_baseline(rewards, mask, *, values=None, group_ids=None, 
   whitened over all agent tokens of the batch; returns equal the advantages. Singleton groups
   use mean 0. Needs `group_ids` [B].
   """
-  mask, scores, mean, _, _ = _group_outcomes("reinforce_plus_plus_baseline", rewards, mask,
+  mask, _, deviation, _, _ = _group_outcomes("reinforce_plus_plus_baseline", rewards, mask,
                                               group_ids)
-  adv = masked_whiten((scores - mean)[:, None] * mask, mask)
+  adv = masked_whiten(deviation[:, None] * mask, mask)
   return adv, adv
 
 
@@ -423,18 +452,29 @@ def gigpo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps
 
   `step_norm` "mean_norm" drops the std division at both levels (A = x - mean), "mean_std_norm"
   keeps it; ω is `step_weight`, γ is `gamma` (verl-agent's runs: ω 1, γ 0.95, "mean_norm").
-  Groups of one (an episode alone in its task group, a state no other episode of the group
-  reached) use mean 0 and std 1, as verl-agent does: such a turn's step advantage is its own
-  return. Rows are episodes, so the episode statistics weigh every episode once (verl-agent's
-  rows are turns and weigh an episode by its length). advantages = returns (verl's
-  convention). Needs `group_ids` [B] and `turns`; `values`, `lam` are unused.
+  Groups of one: an episode alone in its task group has mean 0 and std 1 (verl-agent's
+  `episode_norm_reward`, verl's GRPO): A^E = its score; a step group of one (a state no other
+  episode of the task group reached) is its own mean, std 1 (Eq. 7; verl-agent's
+  `step_norm_reward`): A^S = 0. Equal members give exactly 0 at both levels (`_stats_over`).
+  advantages = returns (verl's convention). Needs `group_ids` [B] and `turns`; `values`,
+  `lam` are unused.
+
+  Documented choices at the episode level that differ from verl-agent's trainer, whose rows
+  are turns, not episodes:
+  - Episode statistics weigh every episode once. verl-agent's `episode_norm_reward` takes
+    mean and std over its turn rows, so an episode counts once per turn (long episodes weigh
+    more in their group's baseline).
+  - The invalid-action reward (`env.invalid_action_reward`) is part of the turn's step
+    reward ρ_bk: it enters the outcome s_b and, discounted by γ, the step returns R_bj of the
+    episode's earlier turns j < k. verl-agent's `apply_invalid_action_penalty` subtracts its
+    penalty from the offending turn's row only (its row score and its step return).
   """
-  mask, scores, mean, std, _ = _group_outcomes("gigpo", rewards, mask, group_ids)
+  mask, _, deviation, std, _ = _group_outcomes("gigpo", rewards, mask, group_ids)
   turns = _check_turns("gigpo", turns, rewards.shape)
   if step_norm not in STEP_NORMS:
     raise ValueError(f"gigpo: step_norm must be one of {STEP_NORMS}, got {step_norm!r}")
   divide = step_norm == "mean_std_norm"
-  episode = (scores - mean) / (std + eps) if divide else scores - mean
+  episode = deviation / (std + eps) if divide else deviation
 
   step_rewards = _sum_per_turn(jnp.asarray(turns.rewards, mask.dtype), turns, mask)
   gamma = jnp.asarray(gamma, mask.dtype)
@@ -446,8 +486,7 @@ def gigpo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps
   same = ((groups[:, None] == groups[None, :]) & (anchors[:, None] == anchors[None, :])
           & alive[:, None] & alive[None, :]) | jnp.eye(alive.size, dtype=bool)
   returns_flat = step_returns.reshape(-1)
-  step_mean, step_std, _ = _stats_over(returns_flat, same)
-  step = returns_flat - step_mean
+  step, step_std, _ = _stats_over(returns_flat, same, lone_is_own_mean=True)
   if divide:
     step = step / (step_std + eps)
   step = jnp.where(alive, step, 0.0).reshape(step_returns.shape)
