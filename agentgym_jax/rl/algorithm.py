@@ -25,6 +25,7 @@ import ml_collections
 
 from agentgym_jax.rl import advantages as advantages_lib
 from agentgym_jax.rl import losses
+from agentgym_jax.rl import overlong as overlong_lib
 
 # The experiments' algorithm names (their `algo=` config argument) -> advantage estimator.
 ALGORITHMS = {"grpo": "grpo", "ppo": "gae", "reinforce_pp": "reinforce_plus_plus", "rloo": "rloo",
@@ -51,6 +52,11 @@ class AlgorithmSpec:
   loss_agg_mode: one of `losses.LOSS_AGG_MODES`.
   estimator_options: the estimator's own keyword options, as (name, value) pairs (gigpo's
     step weight and normalisation, turn_gae's turn discount; empty for the others).
+  tis_cap: truncated importance sampling's cap (`losses.tis_weights`), 0 = off.
+  overlong, overlong_penalty: what happens to episodes cut by a cap (`overlong.OVERLONG_MODES`).
+  dynamic_sampling, dynamic_sampling_max_rounds: DAPO's dynamic sampling and its bound on
+    extra rollout rounds (`dynamic_sampling.fill_batch`).
+  (In behaviour cloning these four are off: the batch is the expert's.)
   The rest are `config.algo`'s coefficients, as documented in train/config.py.
   """
 
@@ -73,6 +79,11 @@ class AlgorithmSpec:
   value_coef: float
   value_clip: float
   estimator_options: tuple[tuple[str, float | str], ...] = ()
+  tis_cap: float = 0.0
+  overlong: str = "none"
+  overlong_penalty: float = 0.0
+  dynamic_sampling: bool = False
+  dynamic_sampling_max_rounds: int = 0
 
   @property
   def uses_turns(self) -> bool:
@@ -100,6 +111,17 @@ class AlgorithmSpec:
                        "set algo.kl_in_reward=False (the KL penalty then goes in the loss).")
     if algo.clip_dual and algo.clip_dual <= 1.0:
       raise ValueError(f"algo.clip_dual must be > 1 (or 0 to disable), got {algo.clip_dual}.")
+    if algo.tis_cap < 0:
+      raise ValueError(f"algo.tis_cap must be > 0 (or 0 to disable), got {algo.tis_cap}.")
+    if algo.overlong not in overlong_lib.OVERLONG_MODES:
+      raise ValueError(f"algo.overlong {algo.overlong!r} is not one of "
+                       f"{list(overlong_lib.OVERLONG_MODES)}.")
+    if algo.overlong == "penalty" and algo.overlong_penalty <= 0:
+      raise ValueError("algo.overlong='penalty' needs algo.overlong_penalty > 0 (subtracted "
+                       f"from the outcome reward), got {algo.overlong_penalty}.")
+    if algo.dynamic_sampling_max_rounds < 0:
+      raise ValueError("algo.dynamic_sampling_max_rounds must be >= 0 (extra rollout rounds "
+                       f"per step), got {algo.dynamic_sampling_max_rounds}.")
     rl = config.mode == "rl"
     estimator = algo.advantage
     if estimator == "grpo" and not algo.norm_adv_by_std:
@@ -115,7 +137,11 @@ class AlgorithmSpec:
         policy_loss="ppo_clip" if rl else "cross_entropy", loss_agg_mode=algo.loss_agg_mode,
         clip_low=algo.clip_low, clip_high=algo.clip_high, clip_dual=algo.clip_dual,
         entropy_coef=algo.entropy_coef, value_coef=algo.value_coef, value_clip=algo.value_clip,
-        estimator_options=options if rl else ())
+        estimator_options=options if rl else (), tis_cap=algo.tis_cap if rl else 0.0,
+        overlong=algo.overlong if rl else "none",
+        overlong_penalty=algo.overlong_penalty if rl and algo.overlong == "penalty" else 0.0,
+        dynamic_sampling=rl and algo.dynamic_sampling,
+        dynamic_sampling_max_rounds=algo.dynamic_sampling_max_rounds if rl else 0)
 
 
 def make_advantage_fn(spec: AlgorithmSpec) -> Callable | None:

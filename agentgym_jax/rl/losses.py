@@ -112,6 +112,42 @@ def ppo_clip(log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.Array
   return jnp.where(mask, loss, 0.0), metrics
 
 
+def tis_weights(old_log_prob: jax.Array, rollout_log_prob: jax.Array, mask: jax.Array,
+                cap: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Truncated importance-sampling weights for the rollout/training mismatch (TIS).
+
+    w_t = min(exp(logπ_old(t) - logπ_rollout(t)), C)
+
+  π_old is the trainer's forward pass at the start of the update (the policy the surrogate's
+  ratio is taken against), π_rollout the sampler's log-probs of the same tokens (another
+  kernel, precision or cache: not the same numbers). Multiplying each token's policy-gradient
+  loss by w_t (data, no gradient) corrects the expectation to the trainer's policy, and the cap
+  C bounds the variance (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You
+  Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl; verl's
+  `tis_imp_ratio_cap`, volcengine/verl PR #2953, applied after the clip and dual clip).
+
+  Args:
+    old_log_prob: [B, L] log-probs under the trainer at the start of the update.
+    rollout_log_prob: [B, L] the sampler's log-probs of the same tokens.
+    mask: [B, L] 1 on agent tokens.
+    cap: C > 0.
+  Returns:
+    (weights [B, L] float32, 0 where mask is 0; metrics of masked means: `tis_weight`, the
+    mean weight, and `tis_capped`, the fraction of tokens whose weight the cap set).
+  """
+  _check_same_shape("tis_weights", old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob,
+                    mask=mask)
+  if _is_concrete(cap) and cap <= 0:
+    raise ValueError(f"tis_weights: cap must be > 0, got {cap}")
+  mask = jnp.asarray(mask).astype(bool)
+  log_ratio = jax.lax.stop_gradient(_float(old_log_prob) - _float(rollout_log_prob))
+  log_cap = jnp.log(jnp.asarray(cap, log_ratio.dtype))
+  # exp(min(x, log C)) = min(e^x, C) without overflowing for a large x.
+  weights = jnp.where(mask, jnp.exp(jnp.minimum(log_ratio, log_cap)), 0.0)
+  return weights, {"tis_weight": masked_mean(weights, mask),
+                   "tis_capped": masked_mean(log_ratio >= log_cap, mask)}
+
+
 @POLICY_LOSSES.register("cross_entropy")
 def cross_entropy(log_prob: jax.Array, old_log_prob: jax.Array, advantages: jax.Array,
                   mask: jax.Array, *, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,

@@ -246,6 +246,23 @@ def base_config() -> ml_collections.ConfigDict:
   c.algo.value_coef = 1.0
   # Clip range of the critic's new values around the old ones (verl's cliprange_value).
   c.algo.value_clip = 0.5
+  # Truncated importance sampling for the rollout/training mismatch: each token's policy loss
+  # is weighted by min(exp(logp_update_old - logp_rollout), tis_cap) (rl/losses.py
+  # `tis_weights`; verl's tis_imp_ratio_cap). 0 = off. The mismatch itself is always logged
+  # (rollout/logprob_gap, rollout/logprob_gap_max).
+  c.algo.tis_cap = 0.0
+  # Episodes cut by the turn or token cap (truncated, not terminated; rl/overlong.py):
+  # "none" | "filter" (their tokens leave the loss; DAPO's overlong filtering) | "penalty"
+  # (their outcome reward loses overlong_penalty). Logged: overlong/fraction.
+  c.algo.overlong = "none"
+  c.algo.overlong_penalty = 1.0
+  # Dynamic sampling (DAPO; rl/dynamic_sampling.py): groups whose rewards are all equal are
+  # dropped and further rounds of data.batch_tasks tasks are rolled out until the batch is
+  # full, at most dynamic_sampling_max_rounds extra rounds per step (then the batch is filled
+  # with dropped groups, which train nothing). The step's episode metrics are then those of
+  # the trained batch. Logged: dynamic_sampling/{dropped, extra_rounds, uninformative_kept}.
+  c.algo.dynamic_sampling = False
+  c.algo.dynamic_sampling_max_rounds = 2
 
   # ----- optimizer ---------------------------------------------------------------------------
   c.optim = ml_collections.ConfigDict()

@@ -55,7 +55,9 @@ class Batch(TypedDict, total=False):
 
   tokens, valid, loss_mask, old_logprobs and advantages always; ref_logprobs when the KL term
   is in the loss; returns and old_values with a critic; seq_tokens [R] where rows are turns of
-  episodes (the agent tokens of each row's episode: `losses.aggregate`'s sequences).
+  episodes (the agent tokens of each row's episode: `losses.aggregate`'s sequences);
+  rollout_logprobs (the sampler's log-probs, `Trajectory.sample_logprobs`) with truncated
+  importance sampling (`spec.tis_cap` > 0).
   """
 
   tokens: jax.Array
@@ -67,14 +69,17 @@ class Batch(TypedDict, total=False):
   returns: jax.Array
   old_values: jax.Array
   seq_tokens: jax.Array
+  rollout_logprobs: jax.Array
 
 
 def build_batch(spec: AlgorithmSpec, tokens: jax.Array, valid: jax.Array, loss_mask: jax.Array,
                 old_logprobs: jax.Array, advantages: jax.Array, ref_logprobs: jax.Array,
-                returns: jax.Array, values: jax.Array, seq_tokens: jax.Array | None = None
-                ) -> Batch:
+                returns: jax.Array, values: jax.Array, seq_tokens: jax.Array | None = None,
+                rollout_logprobs: jax.Array | None = None) -> Batch:
   """The batch of the update step, holding exactly the fields `spec` trains with (and
-  `seq_tokens` when the rows are per-turn rows)."""
+  `seq_tokens` when the rows are per-turn rows).
+
+  Raises ValueError when truncated importance sampling is on without `rollout_logprobs`."""
   batch = Batch(tokens=tokens, valid=valid, loss_mask=loss_mask, old_logprobs=old_logprobs,
                 advantages=advantages)
   if seq_tokens is not None:
@@ -83,6 +88,11 @@ def build_batch(spec: AlgorithmSpec, tokens: jax.Array, valid: jax.Array, loss_m
     batch["ref_logprobs"] = ref_logprobs
   if spec.use_critic:
     batch.update(returns=returns, old_values=values)
+  if spec.tis_cap > 0:
+    if rollout_logprobs is None:
+      raise ValueError("algo.tis_cap > 0 needs the sampler's log-probs: pass rollout_logprobs "
+                       "(Trajectory.sample_logprobs) to build_batch.")
+    batch["rollout_logprobs"] = rollout_logprobs
   return batch
 
 
@@ -220,11 +230,13 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
   Args:
     params: policy parameters.
     micro: tokens, valid, loss_mask, old_logprobs, advantages [m, L] (+ ref_logprobs when the
-      KL term is in the loss).
+      KL term is in the loss, rollout_logprobs with truncated importance sampling: the
+      surrogate of each token is then weighted by `losses.tis_weights`).
     denominator: `losses.aggregation_denominator` of the whole minibatch.
   Returns:
     (loss scalar, aux): aux holds `pg_loss` (the aggregated surrogate alone) and masked token
-    sums of entropy, kl, clip_frac, clip_frac_lower, approx_kl, plus the token count `tokens`,
+    sums of entropy, kl, clip_frac, clip_frac_lower, approx_kl (tis_weight, tis_capped with
+    truncated importance sampling), plus the token count `tokens`,
     so that sums over micro-batches give exact minibatch means.
   """
   model = nnx.merge(graphdef, params)
@@ -234,6 +246,11 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
   pg, pg_metrics = losses.POLICY_LOSSES[cfg.algo.policy_loss](
       logp, micro["old_logprobs"], micro["advantages"], mask, clip_ratio_low=cfg.algo.clip_low,
       clip_ratio_high=cfg.algo.clip_high, clip_ratio_c=cfg.algo.clip_dual or None)
+  if cfg.algo.tis_cap > 0:
+    weights, tis_metrics = losses.tis_weights(micro["old_logprobs"], micro["rollout_logprobs"],
+                                              mask, cfg.algo.tis_cap)
+    pg = pg * weights
+    pg_metrics = {**pg_metrics, **tis_metrics}
   token_loss = pg - cfg.algo.entropy_coef * entropy
   tokens = jnp.sum(mask, dtype=jnp.float32)
   aux = {k: v * tokens for k, v in pg_metrics.items()}
