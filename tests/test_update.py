@@ -88,6 +88,29 @@ def test_token_logprobs_and_entropy_sit_on_the_scored_token():
                                                             log_p[b, t - 1]), rtol=1e-5)
 
 
+# 4 rows x 19 scored positions x 48 logits: 1, 6 (the last padded) and 19 blocks of positions.
+@pytest.mark.parametrize("block", [7296, 640, 192])
+def test_blocked_lm_head_gives_the_same_logprobs_entropy_and_gradient(monkeypatch, block):
+  (graphdef, params), _ = _models()
+  batch = _batch(rows=4)
+  tokens, valid = batch["tokens"], batch["valid"]
+
+  def loss(params):
+    model = nnx.merge(graphdef, params)
+    logp, entropy = update_lib.sequence_logprobs_and_entropy(model, tokens, valid, 0.7)
+    return jnp.sum(logp * batch["advantages"]) + jnp.sum(entropy), (logp, entropy)
+
+  (_, want), want_grads = jax.value_and_grad(loss, has_aux=True)(params)
+  plain = update_lib.token_logprobs_and_entropy(nnx.merge(graphdef, params)(tokens, valid),
+                                                tokens, 0.7)
+  np.testing.assert_allclose(want[0], plain[0], atol=1e-5)
+  monkeypatch.setattr(update_lib, "_LOGIT_BLOCK", block)
+  (_, got), got_grads = jax.value_and_grad(loss, has_aux=True)(params)
+  for a, b in zip(got + tuple(jax.tree.leaves(got_grads)),
+                  want + tuple(jax.tree.leaves(want_grads))):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+
+
 def test_token_logprobs_and_entropy_gradient_is_autodiff_of_log_softmax():
   """The closed-form backward equals differentiating log-softmax, gather and entropy."""
   rng = np.random.default_rng(1)

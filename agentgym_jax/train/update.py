@@ -194,6 +194,41 @@ def _logprob_entropy_bwd(temperature, residuals, cotangents):
 _logprob_entropy.defvjp(_logprob_entropy_fwd, _logprob_entropy_bwd)
 
 
+# Logits of one block of `sequence_logprobs_and_entropy`'s LM head: 2^26 float32 (256 MiB).
+_LOGIT_BLOCK = 1 << 26
+
+
+def sequence_logprobs_and_entropy(model: Any, tokens: jax.Array, valid: jax.Array,
+                                  temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """`token_logprobs_and_entropy` of the decoder `model`'s own logits over tokens [B, L],
+  valid [B, L] -> two [B, L], without the [B, L, V] logits existing at once when they are
+  larger than `_LOGIT_BLOCK` elements.
+
+  The LM head and the log-softmax then run over blocks of positions in a loop whose body is
+  rematerialised, so the backward pass recomputes one block's logits at a time instead of
+  keeping them all (one 12,288-token row of a 152k vocabulary has 7 GiB of float32 logits).
+  """
+  hidden = model.backbone(tokens, valid)[:, :-1]
+  targets = tokens[:, 1:]
+  b, n, d = hidden.shape
+  blocks = -(-(b * n * model.cfg.vocab_size) // _LOGIT_BLOCK)
+  if blocks <= 1:
+    logp, entropy = _logprob_entropy(model.logits_from_hidden(hidden), targets, temperature)
+    return _shift_right(logp), _shift_right(entropy)
+  size = -(-n // blocks)
+  pad = blocks * size - n  # padded positions score token 0 and are cut off below
+  hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, blocks, size, d)
+  targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, blocks, size)
+
+  @jax.checkpoint
+  def block(h_t):
+    return _logprob_entropy(model.logits_from_hidden(h_t[0]), h_t[1], temperature)
+
+  logp, entropy = jax.lax.map(block, (hidden.swapaxes(0, 1), targets.swapaxes(0, 1)))
+  unblock = lambda x: x.swapaxes(0, 1).reshape(b, blocks * size)[:, :n]
+  return _shift_right(unblock(logp)), _shift_right(unblock(entropy))
+
+
 def split_micro(tree: Any, num: int) -> Any:
   """Rows [R, ...] -> [num, R // num, ...], micro-batch k holding rows k, k + num, ..."""
   def one(x):
@@ -240,9 +275,9 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
     so that sums over micro-batches give exact minibatch means.
   """
   model = nnx.merge(graphdef, params)
-  logits = model(micro["tokens"], micro["valid"])
   mask = micro["loss_mask"]
-  logp, entropy = token_logprobs_and_entropy(logits, micro["tokens"], cfg.temperature)
+  logp, entropy = sequence_logprobs_and_entropy(model, micro["tokens"], micro["valid"],
+                                                cfg.temperature)
   pg, pg_metrics = losses.POLICY_LOSSES[cfg.algo.policy_loss](
       logp, micro["old_logprobs"], micro["advantages"], mask, clip_ratio_low=cfg.algo.clip_low,
       clip_ratio_high=cfg.algo.clip_high, clip_ratio_c=cfg.algo.clip_dual or None)
@@ -439,8 +474,8 @@ def make_scorers(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
     return merge_micro(out)
 
   def logprob_fn(params, tokens, valid):
-    logits = nnx.merge(policy_def, params)(tokens, valid)
-    return token_logprobs(logits, tokens, temperature)
+    model = nnx.merge(policy_def, params)
+    return sequence_logprobs_and_entropy(model, tokens, valid, temperature)[0]
 
   logprobs = jax.jit(sharding_lib.traced_under(mesh, functools.partial(scan_rows, logprob_fn)),
                      in_shardings=(None, rows_spec, rows_spec), out_shardings=rows_spec)
