@@ -19,10 +19,17 @@ not depend on how many processes share it. After `gather_trajectory` every proce
 whole batch on the host (O(B * L) bytes, small next to a rollout), so the metrics are the
 same numbers on every process and average over all episodes.
 
-Requirements on the mesh: each process's devices form one block of it, and the `tensor` axis
-lies within a process (otherwise two processes would roll out the same rows). `data` and
-`fsdp` may span processes; parameters sharded over processes are gathered into a whole copy
-per process before a rollout (the same all-gather FSDP does in every forward).
+The mesh's devices may come in any order: on a TPU slice `jax.make_mesh` orders them by the
+chips' physical rings, so a host's chips are spread through the mesh, not one block of it.
+Which rows a process rolls out is read off the batch sharding itself. Its rollout mesh holds
+its devices with the same axis names (`_local_grids`: the sub-grid of the mesh they form, else
+its batch positions along `data`), and `ProcessShare.local` gathers the parameters over the
+processes into that mesh's sharding with one jitted identity, whose output sharding keeps the
+whole mesh's device order and permutes the devices (`ProcessShare.gather_sharding`); so the
+training mesh keeps its physical order, which its collectives are laid out for. Requirements:
+every process holds as many devices of the mesh, and the `tensor` axis lies within a process
+(otherwise two processes would roll out the same rows; on a v5e slice `jax.make_mesh` lays
+tensor=4 across two hosts, tensor=2 within one).
 
 Files are written once, by process 0, with `process_zero_first` or a `barrier` where the
 others read what it wrote; the workdir must be a filesystem every host sees.
@@ -65,68 +72,140 @@ def _identity(tree):
   return tree
 
 
-def _process_blocks(mesh: Mesh) -> dict[int, tuple[slice, ...]]:
-  """Each process's devices as one block of `mesh.devices`: {process: (slice per axis)}.
+def _owners(mesh: Mesh) -> np.ndarray:
+  """[*mesh shape] int: the process of each device of `mesh`."""
+  return np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+
+
+def _batch_major(mesh: Mesh, x: np.ndarray) -> np.ndarray:
+  """`x` [*mesh shape] as [batch positions, other positions]: rows in the order of the batch
+  sharding P(BATCH_AXES) (data-major), the other axes in mesh order."""
+  batch = [mesh.axis_names.index(a) for a in sharding_lib.BATCH_AXES if a in mesh.axis_names]
+  rest = [i for i in range(x.ndim) if i not in batch]
+  rows = math.prod(x.shape[i] for i in batch)
+  return x.transpose(batch + rest).reshape(rows, -1)
+
+
+def _check_rows_unique(mesh: Mesh, owner: np.ndarray) -> None:
+  """Raises unless every batch position's devices (along the non-batch axes) are one process's.
 
   Raises:
-    ValueError: a process's devices are not one aligned block of the mesh, or the processes'
-      blocks differ in shape.
+    ValueError: a non-batch axis such as `tensor` spans processes, so several processes would
+      hold, and roll out, the same rows.
   """
-  owner = np.vectorize(lambda d: d.process_index)(mesh.devices)
-  blocks = {}
-  for process in np.unique(owner):
-    where = np.nonzero(owner == process)
-    block = tuple(slice(int(i.min()), int(i.max()) + 1) for i in where)
-    extent = [b.stop - b.start for b in block]
-    aligned = all(b.start % e == 0 and n % e == 0
-                  for b, e, n in zip(block, extent, mesh.devices.shape))
-    if not aligned or math.prod(extent) != where[0].size:
-      raise ValueError(f"Process {process}'s devices are not one aligned block of mesh "
-                       f"{dict(mesh.shape)}; order the mesh's devices by process (the default "
-                       "of jax.make_mesh).")
-    blocks[int(process)] = block
-  shapes = {tuple(b.stop - b.start for b in block) for block in blocks.values()}
-  if len(shapes) > 1:
-    raise ValueError(f"The processes hold differently shaped blocks {sorted(shapes)} of mesh "
+  per_row = _batch_major(mesh, owner)
+  if (per_row == per_row[:, :1]).all():
+    return
+  others = [a for a in mesh.axis_names if a not in sharding_lib.BATCH_AXES]
+  duplicated = [a for a in others
+                if (np.diff(owner, axis=mesh.axis_names.index(a)) != 0).any()] or others
+  per_process = np.bincount(owner.reshape(-1)).max()
+  raise ValueError(f"Mesh axes {duplicated} of {dict(mesh.shape)} span processes, so several "
+                   f"processes would roll out the same rows; keep them within one host "
+                   f"({per_process} devices) and give the processes to "
+                   f"{sharding_lib.BATCH_AXES}.")
+
+
+def _local_grids(mesh: Mesh) -> dict[int, np.ndarray]:
+  """Every process's devices of `mesh` as a grid [*local shape], the same shape for all.
+
+  A process whose devices are a sub-grid (one set of coordinates per axis, in any order and
+  not necessarily contiguous: what TPU slices' physical device orders give) keeps it, in mesh
+  order; so an axis within one host keeps its sharding. Otherwise (or when the processes'
+  sub-grids differ in shape) each process's batch positions, in batch-sharding order, go on
+  the first batch axis, its other batch axes get size 1 (so parameters are gathered whole over
+  them), and the non-batch axes keep their full size. Either way local row block k of a
+  process is the k-th of its global row blocks, so its devices hold the same rows in the local
+  rollout as in the whole batch.
+
+  Raises:
+    ValueError: a non-batch axis spans processes (`_check_rows_unique`), or the processes hold
+      different numbers of devices.
+  """
+  owner = _owners(mesh)
+  _check_rows_unique(mesh, owner)
+  processes = np.unique(owner).tolist()
+  counts = {int(c) for c in np.bincount(owner.reshape(-1))[processes]}
+  if len(counts) > 1:
+    raise ValueError(f"The processes hold {sorted(counts)} devices each of mesh "
                      f"{dict(mesh.shape)}; give every host the same number of devices.")
-  return blocks
+  per_process = counts.pop()
+  grids = {}
+  for p in processes:
+    coords = [np.unique(c) for c in np.nonzero(owner == p)]
+    if math.prod(c.size for c in coords) == per_process:
+      grids[p] = mesh.devices[np.ix_(*coords)]
+  if len(grids) == len(processes) and len({g.shape for g in grids.values()}) == 1:
+    return grids
+  names = mesh.axis_names
+  batch = [a for a in sharding_lib.BATCH_AXES if a in names]
+  rest = [a for a in names if a not in batch]
+  devices, per_row = _batch_major(mesh, mesh.devices), _batch_major(mesh, owner)[:, 0]
+  grids = {}
+  for p in processes:
+    mine = devices[per_row == p]  # [batch positions, others], in batch-sharding order
+    shape = [mine.shape[0]] + [1] * (len(batch) - 1) + [mesh.shape[a] for a in rest]
+    order = [(batch + rest).index(a) for a in names]
+    grids[p] = mine.reshape(shape).transpose(order)
+  return grids
+
+
+# The leading axis of `ProcessShare.gather`: one entry per process.
+PROCESSES_AXIS = "@processes"
 
 
 @dataclasses.dataclass(frozen=True)
 class ProcessShare:
-  """This process's part of a mesh.
+  """One process's part of a mesh: its rows of a batch, its devices, its copy of the params.
 
   Attributes:
-    mesh: this process's devices of the whole mesh, same axis names (on one process: the whole
-      mesh, or None without one); rollouts run here.
+    mesh: the process's devices of the whole mesh as a mesh with the same axis names
+      (`_local_grids`; on one process the whole mesh, or None without one); rollouts run here.
     whole: the whole mesh.
-    split: the whole mesh with every axis `a` that spans processes split in two,
-      (`a@processes`, `a`), so that a spec naming `a` shards within each process (None when no
-      parameter axis spans processes: the local shards are then already whole copies).
+    process: the process this share is for.
+    multi_process: whether `whole` spans several processes.
+    gather: None when the process's shards of every parameter already are its local copy
+      (the process meshes differ from the whole mesh in `data` only, which no parameter is
+      sharded over). Otherwise the whole mesh's devices in their own flat order, shaped
+      [processes, *local shape] with axes (PROCESSES_AXIS, *axis names).
+    gather_ids: [processes * local size]: for each position of every process's mesh, stacked
+      in process order, the index of its device in the whole mesh's flat order.
   """
 
   mesh: Mesh | None
   whole: Mesh | None
-  split: Mesh | None
-
-  @property
-  def multi_process(self) -> bool:
-    return self.whole is not None and self.whole.is_multi_process
+  process: int = 0
+  multi_process: bool = False
+  gather: Mesh | None = None
+  gather_ids: tuple[int, ...] | None = None
 
   def rows(self, num_rows: int) -> np.ndarray | None:
-    """The rows [R] of a [num_rows] batch (split over the batch axes) on this process's devices;
-    None on a single process (all rows)."""
+    """The rows [R] of a [num_rows] batch (split over the batch axes) on this process's devices,
+    read off the batch sharding itself; None on a single process (all rows)."""
     if not self.multi_process:
       return None
     sharding = NamedSharding(self.whole, P(sharding_lib.BATCH_AXES))
-    indices = sharding.addressable_devices_indices_map((num_rows,)).values()
+    indices = [index for device, index in sharding.devices_indices_map((num_rows,)).items()
+               if device.process_index == self.process]
     return np.unique(np.concatenate([np.arange(num_rows)[index] for index in indices]))
+
+  def gather_sharding(self, spec: P) -> NamedSharding:
+    """The sharding on the whole mesh's devices under which each device holds what it holds
+    under `spec` on its process's mesh: `spec` within every process, replicated across them.
+
+    Expressed on the whole mesh's flat device order (jit requires one device order for all
+    shardings of a call), with the devices permuted into the stacked process meshes by
+    NamedSharding's `_logical_device_ids` (what jax.device_put itself uses to reshard between
+    device orders, jax/_src/dispatch.py `_different_device_order_reshard`).
+    """
+    return NamedSharding(self.gather, spec, _logical_device_ids=self.gather_ids)
 
   def local(self, params: Any) -> Any:
     """`params` (arrays on the whole mesh, as the train state holds them) on `self.mesh`.
 
-    A collective where a parameter axis spans processes (every process must call it): those
-    arrays are first gathered into one copy per process. Otherwise a view, no copy.
+    A collective where a parameter axis spans processes (every process must call it): one
+    jitted identity gathers those arrays over the processes into `gather_sharding`, which keeps
+    the sharding within a process. Otherwise a view, no copy.
     """
     if not self.multi_process:
       return params
@@ -135,8 +214,8 @@ class ProcessShare:
     spread = [i for i, x in enumerate(leaves)
               if isinstance(x, jax.Array) and not x.is_fully_addressable]
     arrays = [leaves[i] for i in spread]
-    if self.split is not None:
-      shardings = [NamedSharding(self.split, x.sharding.spec) for x in arrays]
+    if self.gather is not None:
+      shardings = [self.gather_sharding(x.sharding.spec) for x in arrays]
       arrays = jax.jit(_identity, out_shardings=shardings)(arrays)
     for i, x in zip(spread, arrays):
       leaves[i] = jax.make_array_from_single_device_arrays(
@@ -145,34 +224,34 @@ class ProcessShare:
     return jax.tree.unflatten(treedef, leaves)
 
 
-def process_share(mesh: Mesh | None) -> ProcessShare:
-  """This process's devices of `mesh` and how its parameters are brought there.
+def process_share(mesh: Mesh | None, process: int | None = None) -> ProcessShare:
+  """Process `process`'s (default: this process's) part of `mesh`, for any device order.
+
+  Reads only the mesh (its devices' process indices), so every process's share can be worked
+  out anywhere, e.g. for a TPU slice's devices from libtpu's topology description.
 
   Raises:
-    ValueError: the mesh's `tensor` axis spans processes, or a process's devices are not one
-      block of the mesh.
+    ValueError: the mesh's `tensor` axis spans processes, the processes hold different numbers
+      of devices, or `process` holds none of the mesh.
   """
-  if mesh is None or not mesh.is_multi_process:
-    return ProcessShare(mesh=mesh, whole=mesh, split=None)
-  blocks = _process_blocks(mesh)
-  block = blocks[jax.process_index()]
-  local = Mesh(mesh.devices[block], mesh.axis_names, axis_types=mesh.axis_types)
-  spanning = [a for a in mesh.axis_names if local.shape[a] < mesh.shape[a]]
-  duplicated = [a for a in spanning if a not in sharding_lib.BATCH_AXES]
-  if duplicated:
-    raise ValueError(f"Mesh axes {duplicated} of {dict(mesh.shape)} span processes, so several "
-                     f"processes would roll out the same rows; keep them within one host "
-                     f"({len(jax.local_devices())} devices) and give the processes to "
-                     f"{sharding_lib.BATCH_AXES}.")
-  split = None
-  if [a for a in spanning if a != "data"]:  # parameters are sharded over processes
-    names, sizes = [], []
-    for name in mesh.axis_names:
-      names += [f"{name}@processes", name]
-      sizes += [mesh.shape[name] // local.shape[name], local.shape[name]]
-    split = Mesh(mesh.devices.reshape(sizes), tuple(names),
-                 axis_types=(mesh.axis_types[0],) * len(names))
-  return ProcessShare(mesh=local, whole=mesh, split=split)
+  processes = set() if mesh is None else {d.process_index for d in mesh.devices.flat}
+  if len(processes) < 2:
+    return ProcessShare(mesh=mesh, whole=mesh)
+  process = jax.process_index() if process is None else process
+  grids = _local_grids(mesh)
+  if process not in grids:
+    raise ValueError(f"Process {process} holds none of the devices of mesh {dict(mesh.shape)}; "
+                     "build the mesh on all devices (jax.devices()).")
+  local = Mesh(grids[process], mesh.axis_names, axis_types=mesh.axis_types)
+  share = ProcessShare(mesh=local, whole=mesh, process=process, multi_process=True)
+  if all(local.shape[a] == mesh.shape[a] for a in mesh.axis_names if a != "data"):
+    return share
+  stacked = np.stack([grids[p] for p in sorted(grids)])  # [processes, *local shape]
+  position = {d.id: i for i, d in enumerate(mesh.devices.flat)}
+  gather = Mesh(mesh.devices.reshape(stacked.shape), (PROCESSES_AXIS, *mesh.axis_names),
+                axis_types=(mesh.axis_types[0], *mesh.axis_types))
+  return dataclasses.replace(share, gather=gather,
+                             gather_ids=tuple(position[d.id] for d in stacked.flat))
 
 
 def split_rows(num_rows: int) -> np.ndarray | None:

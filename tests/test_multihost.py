@@ -11,6 +11,9 @@ over all four. The module's fixture runs, in order (2-4 minutes on 2 cores, with
   5. two processes evaluate the checkpoint on every test task, on an FSDP mesh {'fsdp': 4}
      whose parameters each process gathers into its own copy for the rollout.
 
+A separate launch checks each process's rows and copy of the parameters on meshes whose
+devices alternate between the processes, as a TPU slice's physical device order does.
+
 The runs share a persistent compilation cache and skip most XLA optimisations: compiling
 dominates runs this small, and both settings apply to the reference as well.
 """
@@ -88,9 +91,8 @@ class Job:
         f"process {i} exited {codes[i]}:\n{self.log(i)[-3000:]}" for i in failed)
 
 
-def _launch(module: str, args: list[str], logdir: pathlib.Path, cache: pathlib.Path,
-            processes: int) -> Job:
-  """Starts `python -m module args` as `processes` JAX processes (one: 4 devices, no cluster)."""
+def _launch(args: list[str], logdir: pathlib.Path, cache: pathlib.Path, processes: int) -> Job:
+  """Starts `python args` as `processes` JAX processes (one: 4 devices, no cluster)."""
   logdir.mkdir(parents=True, exist_ok=True)
   port = _free_port()
   procs, logs = [], []
@@ -107,14 +109,13 @@ def _launch(module: str, args: list[str], logdir: pathlib.Path, cache: pathlib.P
                  JAX_PROCESS_ID=str(i))
     logs.append(logdir / f"process{i}.log")
     with open(logs[-1], "w") as out:
-      procs.append(subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+      procs.append(subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env,
                                     stdout=out, stderr=subprocess.STDOUT))
   return Job(procs, logs)
 
 
 def _train(workdir, logdir, cache, processes, steps):
-  return _launch("agentgym_jax.train",
-                 [f"--config={CONFIG}", f"--workdir={workdir}",
+  return _launch(["-m", "agentgym_jax.train", f"--config={CONFIG}", f"--workdir={workdir}",
                   f"--config.total_steps={steps}", *TRAIN_FLAGS], logdir, cache, processes)
 
 
@@ -174,9 +175,10 @@ def runs(tmp_path_factory):
   resumed.check()
   out["resumed_logs"] = [resumed.log(0), resumed.log(1)]
 
-  evaluation = _launch("agentgym_jax.evaluate", [
-      f"--config={CONFIG}", f"--checkpoint={out['two']}", "--split=test", "--num_tasks=0",
-      f"--output={tmp / 'eval'}", "--config.env.kwargs.codes=0123456789",
+  evaluation = _launch([
+      "-m", "agentgym_jax.evaluate", f"--config={CONFIG}", f"--checkpoint={out['two']}",
+      "--split=test", "--num_tasks=0", f"--output={tmp / 'eval'}",
+      "--config.env.kwargs.codes=0123456789",
       "--config.mesh=(('data', 1), ('fsdp', 4), ('tensor', 1))"], tmp / "logs_eval", cache,
       processes=2)
   evaluation.check()
@@ -244,6 +246,40 @@ def test_evaluation_over_two_processes_reports_every_test_task_once(runs):
   assert sum(report["metrics"][c]["num_tasks"] for c in columns) == len(test_ids)
   tables = [log.count(f"# {report['label']}: keypad test") for log in runs["eval_stdout"]]
   assert tables == [1, 0]
+
+
+# Run by each of two processes: meshes whose devices alternate between the processes, as a
+# TPU slice's physical order spreads a host's chips (tests/test_process_share_tpu.py).
+_SHUFFLED_MESHES = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.experimental import multihost_utils
+from agentgym_jax import multihost, sharding
+assert sharding.maybe_initialize_distributed()
+a, b = ([d for d in jax.devices() if d.process_index == p] for p in (0, 1))
+# fsdp over the four devices in the order 0 1 1 0: each process's devices a sub-grid;
+# data x fsdp as [[0, 1], [1, 0]]: no process's devices a sub-grid.
+for shape, order in [((1, 4, 1), [a[0], b[0], b[1], a[1]]),
+                     ((2, 2, 1), [a[0], b[0], b[1], a[1]])]:
+  mesh = Mesh(np.array(order).reshape(shape), sharding.MESH_AXES)
+  share = multihost.process_share(mesh)
+  whole = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+  specs = {"rows": P("fsdp"), "columns": P(None, "fsdp"), "whole": P()}
+  params = {k: sharding.put_global(whole, NamedSharding(mesh, s)) for k, s in specs.items()}
+  for spec, x in share.local(params).items():
+    assert x.is_fully_addressable and x.sharding.mesh == share.mesh, (shape, spec)
+    np.testing.assert_array_equal(np.asarray(x), whole)
+  rows = multihost_utils.process_allgather(share.rows(8))
+  assert sorted(rows.reshape(-1).tolist()) == list(range(8)), (shape, rows)
+  print(shape, dict(share.mesh.shape), "gather" if share.gather else "view", "ok")
+"""
+
+
+def test_local_params_and_rows_on_meshes_that_interleave_the_processes(tmp_path):
+  job = _launch(["-c", _SHUFFLED_MESHES], tmp_path / "logs", tmp_path / "cache", processes=2)
+  job.check(timeout=120)
+  for i in range(2):
+    assert job.log(i).count(" ok") == 2, job.log(i)[-3000:]
 
 
 def test_each_process_gets_its_own_env_service_url(monkeypatch):
