@@ -270,3 +270,59 @@ def test_toolkit_fields_reach_the_spec_and_are_off_in_behaviour_cloning():
   c.mode = "bc"
   spec = AlgorithmSpec.from_config(c)
   assert (spec.tis_cap, spec.overlong, spec.dynamic_sampling) == (0.0, "none", False)
+
+
+@dataclasses.dataclass
+class _Traj:
+  rewards: np.ndarray
+  loss_mask: np.ndarray
+
+
+def _round(scores, offset):
+  """A fake round of 2 tasks x 2 samples: episode records and a trajectory whose row sums are
+  `scores` (row order: group 0's samples, then group 1's)."""
+  episodes = [_Episode(offset + row // 2, row // 2) for row in range(4)]
+  rewards = np.zeros((4, 3), np.float32)
+  rewards[:, 1] = scores
+  return _Traj(rewards, np.ones((4, 3), bool)), {"episodes": episodes,
+                                                "rollout/sampled_tokens": 10}
+
+
+def test_sample_until_full_rolls_out_rounds_and_builds_one_batch():
+  first = _round([1, 1, 0, 1], offset=100)  # group 0 equal (dropped), group 1 informative
+  extra = {1: _round([0, 0, 0.5, 0.5], offset=200), 2: _round([1, 0, 1, 1], offset=300)}
+  built = []
+  traj, stats, drawn, metrics = dynamic_sampling.sample_until_full(
+      first, extra.__getitem__, batch_tasks=2, group_size=2, max_extra_rounds=3,
+      rewards_of=lambda t: t.rewards, build=lambda eps: built.append(eps) or "batch")
+  assert traj == "batch" and drawn == 3
+  # Kept: round 0's group 1 and round 2's group 0, renumbered 0 and 1.
+  assert [(e.task_id, e.group_id) for e in stats["episodes"]] == [(101, 0), (101, 0),
+                                                                   (300, 1), (300, 1)]
+  assert built[0] == stats["episodes"]
+  assert stats["rollout/sampled_tokens"] == 30
+  assert metrics["dynamic_sampling/extra_rollouts"] == 8.0
+  assert metrics["dynamic_sampling/dropped"] == 4 / 6  # 1 + 2 + 1 equal groups of 6 drawn
+  assert metrics["dynamic_sampling/success_rate"] == 0.0  # the fake episodes have no success
+  # A first round whose groups all carry signal is the batch as it is: nothing more is drawn.
+  first = _round([1, 0, 0, 1], offset=100)
+  traj, stats, drawn, metrics = dynamic_sampling.sample_until_full(
+      first, extra.__getitem__, batch_tasks=2, group_size=2, max_extra_rounds=3,
+      rewards_of=lambda t: t.rewards, build=None)
+  assert traj is first[0] and stats is first[1] and drawn == 1
+  assert metrics["dynamic_sampling/extra_rollouts"] == 0.0
+
+
+def test_overlong_apply_penalises_only_in_penalty_mode():
+  traj = dataclasses.make_dataclass("T", ["rewards", "turn_rewards", "loss_mask", "terminated",
+                                          "truncated", "failed"])(
+      np.array([[0, 1.0], [0, 1.0]]), np.array([[0, 1.0], [0, 1.0]]), np.ones((2, 2), bool),
+      np.array([False, True]), np.array([True, False]), np.array([False, False]))
+  rewards, turn_rewards, over = overlong.apply(traj, "penalty", 0.5)
+  np.testing.assert_array_equal(over, [True, False])
+  np.testing.assert_allclose(rewards, [[0, 0.5], [0, 1.0]])
+  np.testing.assert_allclose(turn_rewards, [[0, 0.5], [0, 1.0]])
+  for mode in ("none", "filter"):
+    rewards, _, over = overlong.apply(traj, mode, 0.5)
+    np.testing.assert_allclose(rewards, traj.rewards)
+    np.testing.assert_array_equal(over, [True, False])

@@ -13,6 +13,7 @@ filled with the earliest uninformative ones (advantage 0: they train nothing).
   select_groups(informative [N], batch_tasks) -> [batch_tasks] indices into the N drawn groups
   fill_batch(draw, batch_tasks, max_extra_rounds) -> (chosen (round, group) pairs, metrics)
   regroup(rounds, chosen, group_size) -> the chosen groups' episodes, group ids renumbered
+  sample_until_full(first, draw, ...) -> the trainer's step: rounds of rollouts, one batch
 
 Unlike verl's DAPO recipe, which raises once `max_num_gen_batches` is exceeded, a step whose
 bound is hit trains on the batch it has.
@@ -92,3 +93,54 @@ def regroup(rounds: Sequence[Sequence[Any]], chosen: Sequence[tuple[int, int]],
   return [dataclasses.replace(episode, group_id=place)
           for place, (r, g) in enumerate(chosen)
           for episode in rounds[r][g * group_size:(g + 1) * group_size]]
+
+
+# Rollout statistics that add up over a step's rounds.
+_SUMMED_STATS = ("rollout/sampled_tokens", "rollout/env_seconds", "rollout/seconds")
+
+
+def sample_until_full(first: tuple[Any, dict], draw: Callable[[int], tuple[Any, dict]], *,
+                      batch_tasks: int, group_size: int, max_extra_rounds: int,
+                      rewards_of: Callable[[Any], np.ndarray],
+                      build: Callable[[list[Any]], Any]) -> tuple[Any, dict, int, dict]:
+  """A trainer step's rollout under dynamic sampling (`fill_batch` over whole rollouts).
+
+  Args:
+    first: (host Trajectory [batch_tasks * group_size, L], stats) of the step's first round.
+    draw: round r >= 1 -> (host Trajectory, stats) of another `batch_tasks` tasks.
+    rewards_of: Trajectory -> [B, L] the rewards the estimator will see (their row sums are
+      the groups' scores; rows without agent tokens, failed episodes, are no members).
+    build: the chosen episode records -> their Trajectory (`build_trajectory`).
+  Returns:
+    (trajectory of the chosen groups, group ids 0..batch_tasks-1; stats with the rounds'
+    throughput summed and the chosen episodes; rounds drawn; metrics of `fill_batch` plus
+    `dynamic_sampling/extra_rollouts`, episodes rolled out beyond the first round, and
+    `dynamic_sampling/success_rate`, the success rate of every episode drawn: the step's
+    episode metrics describe the trained batch, which over-represents mixed groups).
+  """
+  rounds = [first]
+
+  def flags(r: int) -> np.ndarray:
+    if r:
+      rounds.append(draw(r))
+    traj = rounds[r][0]
+    scores = np.asarray(rewards_of(traj), np.float64).sum(axis=1)
+    members = np.asarray(traj.loss_mask, bool).any(axis=1)
+    return informative_groups(scores.reshape(batch_tasks, group_size),
+                              members.reshape(batch_tasks, group_size))
+
+  chosen, metrics = fill_batch(flags, batch_tasks, max_extra_rounds)
+  metrics["dynamic_sampling/extra_rollouts"] = float((len(rounds) - 1) * batch_tasks
+                                                     * group_size)
+  # The trained batch over-represents mixed groups; this is the policy's rate over all it drew.
+  drawn = [bool(getattr(e, "success", False)) for _, s in rounds for e in s["episodes"]]
+  metrics["dynamic_sampling/success_rate"] = float(np.mean(drawn)) if drawn else 0.0
+  if len(rounds) == 1:  # the first round is the batch, as without dynamic sampling
+    return first[0], first[1], 1, metrics
+  episodes = regroup([stats["episodes"] for _, stats in rounds], chosen, group_size)
+  stats = dict(first[1])
+  for key in _SUMMED_STATS:
+    if key in stats:
+      stats[key] = sum(s[key] for _, s in rounds)
+  stats["episodes"] = episodes
+  return build(episodes), stats, len(rounds), metrics

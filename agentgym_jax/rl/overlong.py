@@ -64,3 +64,13 @@ def penalise(rewards, turn_rewards, loss_mask, overlong, penalty: float
   rewards[rows, last] -= penalty
   turn_rewards[rows, last] -= penalty
   return rewards, turn_rewards
+
+
+def apply(traj, mode: str, penalty: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """What the advantage estimators see of a host `Trajectory` under `mode`: (rewards [B, L],
+  turn_rewards [B, L], overlong [B] bool); the rewards are penalised under "penalty", as they
+  are otherwise (the "filter" mode acts on the update's loss mask: `mask_rows`)."""
+  over = overlong_episodes(traj.terminated, traj.truncated, traj.failed)
+  if mode == "penalty":
+    return (*penalise(traj.rewards, traj.turn_rewards, traj.loss_mask, over, penalty), over)
+  return np.asarray(traj.rewards), np.asarray(traj.turn_rewards), over

@@ -260,7 +260,8 @@ def base_config() -> ml_collections.ConfigDict:
   # dropped and further rounds of data.batch_tasks tasks are rolled out until the batch is
   # full, at most dynamic_sampling_max_rounds extra rounds per step (then the batch is filled
   # with dropped groups, which train nothing). The step's episode metrics are then those of
-  # the trained batch. Logged: dynamic_sampling/{dropped, extra_rounds, uninformative_kept}.
+  # the trained batch (dynamic_sampling/success_rate: of every episode drawn). Logged:
+  # dynamic_sampling/{dropped, extra_rounds, extra_rollouts, uninformative_kept, success_rate}.
   c.algo.dynamic_sampling = False
   c.algo.dynamic_sampling_max_rounds = 2
 

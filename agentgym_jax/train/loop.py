@@ -49,6 +49,7 @@ from agentgym_jax import evaluate
 from agentgym_jax import multihost
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import advantages as advantages_lib, algorithm, schedule
+from agentgym_jax.rl import dynamic_sampling, overlong as overlong_lib
 from agentgym_jax.rollout import SamplingConfig, build_trajectory, envs, run_episodes, window
 from agentgym_jax.rollout.episodes import replica_meshes
 from agentgym_jax.train import checkpoints, data, metrics as metrics_lib, provenance, sources
@@ -140,7 +141,8 @@ def _batch_diagnostics(host: Any, adv: jax.Array, old_logprobs: jax.Array,
   """Advantage statistics, sampler/trainer log-prob agreement, in-reward KL, critic quality.
 
   `rollout/logprob_gap` is the mean |log-prob of the trainer's forward - the sampler's| over
-  agent tokens: ~1e-7 when both compute the same distribution; a large gap means the
+  agent tokens (`rollout/logprob_gap_max` its max, the token that `algo.tis_cap` would weigh
+  most): ~1e-7 when both compute the same distribution; a large gap means the
   rollout and the loss disagree (e.g. a temperature or masking mismatch). Of the [B, L] arrays
   only those an enabled diagnostic reads are copied to the host.
   """
@@ -152,8 +154,9 @@ def _batch_diagnostics(host: Any, adv: jax.Array, old_logprobs: jax.Array,
   got = multihost.fetch(wanted)
   mask = np.asarray(host.loss_mask).astype(bool)
   out = _masked_stats("batch/advantage", got["adv"], mask)
-  out["rollout/logprob_gap"] = float(
-      np.abs(got["old_logprobs"] - host.sample_logprobs)[mask].mean()) if mask.any() else 0.0
+  gap = np.abs(got["old_logprobs"] - host.sample_logprobs)[mask]
+  out["rollout/logprob_gap"] = float(gap.mean()) if mask.any() else 0.0
+  out["rollout/logprob_gap_max"] = float(gap.max()) if mask.any() else 0.0
   if kl_in_reward:
     out["reward/kl_mean"] = float(got["reward_kl"][mask].mean()) if mask.any() else 0.0
   if use_critic:
@@ -325,6 +328,22 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                                    task_ids, max_turns, rollout_key, share.mesh, mine)
         traj, stats["episodes"] = multihost.gather_trajectory(traj, stats["episodes"], mine,
                                                               tok.pad_id)
+        if spec.dynamic_sampling:  # DAPO: more rounds of tasks until the groups carry signal
+          def draw(r, first=cursor, key=rollout_key):
+            ids = stream.take(first + (r - 1) * config.data.batch_tasks, config.data.batch_tasks)
+            t, s = sample_batch(config, policy_def, share.local(state.policy), tok, pool, ids,
+                                max_turns, jax.random.fold_in(key, r), share.mesh, mine)
+            t, s["episodes"] = multihost.gather_trajectory(t, s["episodes"], mine, tok.pad_id)
+            return t, s
+          traj, stats, drawn, sampling_metrics = dynamic_sampling.sample_until_full(
+              (traj, stats), draw, batch_tasks=config.data.batch_tasks,
+              group_size=config.data.group_size,
+              max_extra_rounds=spec.dynamic_sampling_max_rounds,
+              rewards_of=lambda t: overlong_lib.apply(t, spec.overlong,
+                                                      spec.overlong_penalty)[0],
+              build=lambda episodes: build_trajectory(episodes, tok.pad_id))
+          cursor += (drawn - 1) * config.data.batch_tasks
+          replay = replay if drawn == 1 else None  # a replay regenerates the first round only
       timer["rollout"] = time.perf_counter()
 
       host = jax.device_get(traj)  # the whole batch, on every process
@@ -358,21 +377,34 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         # ----- advantages, over the episodes' packed rows -----
         # Every agent token sits once in its episode's row, so each estimator sees the
         # episodes (groups, turns, its critic's successive states) whatever the update's rows.
-        turns = (advantages_lib.Turns(index=put(host.turn_index), rewards=put(host.turn_rewards),
+        rewards, turn_rewards, overlong = overlong_lib.apply(host, spec.overlong,
+                                                             spec.overlong_penalty)
+        turns = (advantages_lib.Turns(index=put(host.turn_index), rewards=put(turn_rewards),
                                       anchors=put(host.turn_anchors))
                  if spec.uses_turns else None)
         old_lp, ref_lp, old_values = map(to_episodes, (old_logprobs, ref_logprobs, values))
         episode_mask = mask if turn_rows is None else put(host.loss_mask)
         adv, returns, reward_kl = compute_advantages(
-            put(host.rewards), episode_mask, put(host.group_id), old_lp, ref_lp, old_values,
+            put(rewards), episode_mask, put(host.group_id), old_lp, ref_lp, old_values,
             turns)
         jax.block_until_ready(adv)
         timer["advantages"] = time.perf_counter()
-        batch = update_lib.build_batch(spec, tokens, valid, mask, old_logprobs, to_rows(adv),
-                                       ref_logprobs, to_rows(returns), values, seq_tokens)
+        if spec.overlong == "filter":  # out of the loss, still in their group's baseline (DAPO)
+          mask = put(overlong_lib.mask_rows(trained.loss_mask, overlong,
+                                            None if turn_rows is None else turn_rows.episode))
+        batch = update_lib.build_batch(
+            spec, tokens, valid, mask, old_logprobs, to_rows(adv), ref_logprobs,
+            to_rows(returns), values, seq_tokens,
+            rollout_logprobs=put(trained.sample_logprobs) if spec.tis_cap > 0 else None)
         diagnostics = _batch_diagnostics(host, adv, old_lp, old_values, returns, reward_kl,
                                          use_critic=spec.use_critic,
                                          kl_in_reward=spec.kl_in_reward)
+        diagnostics["overlong/fraction"] = float(np.mean(overlong))
+        if spec.overlong != "none":
+          name = {"filter": "filtered", "penalty": "penalised"}[spec.overlong]
+          diagnostics[f"overlong/{name}"] = diagnostics["overlong/fraction"]
+        if spec.dynamic_sampling:
+          diagnostics.update(sampling_metrics)
 
       # ----- update -----
       state, update_metrics = update_step(state, batch)
