@@ -1,7 +1,6 @@
 """Decoder, KV cache, value model and config parsing on tiny random configs (no torch needed)."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,8 +9,7 @@ import pytest
 from flax import nnx
 
 from agentgym_jax.models import Decoder, KVCache, ModelConfig, ValueModel
-from agentgym_jax.models.decoder import (RMSNorm, apply_rope, attention, cached_attention,
-                                         causal_attention, rope_tables)
+from agentgym_jax.models.decoder import RMSNorm, apply_rope, rope_tables
 
 TINY = ModelConfig(vocab_size=128, hidden_size=48, intermediate_size=80, num_layers=2,
                    num_heads=6, num_kv_heads=2, head_dim=8, qkv_bias=True, qk_norm=True,
@@ -172,41 +170,6 @@ def test_kv_cache_init_grow_and_donation(model):
   after_grown = _extend(model, tokens[:, 5:9], jnp.array([4, 4, 4]), grown)[0]
   after_large = _extend(model, tokens[:, 5:9], jnp.array([4, 4, 4]), large)[0]
   np.testing.assert_allclose(after_grown, after_large, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("t, score_block", [
-    (1, 1 << 22),     # decode: one query per row
-    (24, 1 << 22),    # every row in one block
-    (96, 1 << 19),    # blocks of 2 rows (of 96 queries x 4 heads x 512 slots each)
-    (96, 1 << 15),    # one row at a time, its queries in blocks of 16
-    (100, 1 << 15),   # 7 blocks of 15 queries, the last one padded with 5
-])
-def test_cached_attention_equals_attention(t, score_block):
-  """A decode step and the row and query blocks compute plain attention."""
-  b, kh, g, s, dh = 8, 2, 2, 512, 16
-  keys = jax.random.split(jax.random.key(t), 3)
-  q = jax.random.normal(keys[0], (b, t, kh, g, dh))
-  k = jax.random.normal(keys[1], (b, kh, dh, s))
-  v = jax.random.normal(keys[2], (b, kh, s, dh))
-  positions = jnp.arange(b)[:, None] * 40 + jnp.arange(t)[None]
-  mask = jnp.arange(s)[None, None] <= positions[:, :, None]
-  blocked = jax.jit(functools.partial(cached_attention, score_block=score_block))
-  np.testing.assert_allclose(blocked(q, k, v, mask), jax.jit(attention)(q, k, v, mask),
-                             atol=1e-5)
-
-
-@pytest.mark.parametrize("t", [3, 7, 64])
-def test_causal_attention_equals_attention(t):
-  """Query blocks that skip the keys above the diagonal compute plain causal attention."""
-  b, kh, g, dh = 3, 2, 2, 16
-  keys = jax.random.split(jax.random.key(t), 3)
-  q = jax.random.normal(keys[0], (b, t, kh, g, dh))
-  k = jax.random.normal(keys[1], (b, kh, dh, t))
-  v = jax.random.normal(keys[2], (b, kh, t, dh))
-  valid = jnp.arange(t)[None] < jnp.array([t, t - 1, 1])[:, None]
-  mask = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
-  np.testing.assert_allclose(jax.jit(causal_attention)(q, k, v, mask),
-                             jax.jit(attention)(q, k, v, mask), atol=1e-6)
 
 
 def test_bfloat16_params_give_float32_logits():

@@ -29,6 +29,9 @@ _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
 }
 _DTYPES = ("float32", "bfloat16")
+# Attention implementations (see `models.attention`): "auto" = the Pallas kernel on TPU, else
+# XLA; "pallas_interpret" runs the kernel in the Pallas interpreter on any backend (tests).
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,9 @@ class ModelConfig:
     model_type: HF family name used on export ("qwen2", "qwen3", "llama").
     param_dtype: "float32" or "bfloat16"; activations follow it, logits are float32.
     remat: recompute each block's activations in the backward pass (saves memory).
+    attention: "auto" | "xla" | "pallas" | "pallas_interpret", the attention implementation
+      (`models.attention`); "auto" resolves when a program is traced, to the Pallas kernel
+      on TPU (`attention.resolve_attention`).
     initializer_range: std of the normal initialiser for fresh weights.
     bos_token_id, eos_token_id, pad_token_id: carried through for export only.
   """
@@ -75,6 +81,7 @@ class ModelConfig:
   model_type: str = "llama"
   param_dtype: str = "float32"
   remat: bool = False
+  attention: str = "auto"
   initializer_range: float = 0.02
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
@@ -93,6 +100,8 @@ class ModelConfig:
       raise ValueError(f"head_dim {self.head_dim} must be even for RoPE.")
     if self.param_dtype not in _DTYPES:
       raise ValueError(f"param_dtype {self.param_dtype!r} is not one of {_DTYPES}.")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_IMPLS}.")
     if self.model_type not in _FAMILIES:
       raise ValueError(f"model_type {self.model_type!r} is not one of {sorted(_FAMILIES)}.")
     if self.rope_scaling is not None:

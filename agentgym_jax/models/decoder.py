@@ -31,10 +31,10 @@ import numpy as np
 from flax import nnx
 
 from agentgym_jax import sharding
+from agentgym_jax.models import attention as attention_lib
 from agentgym_jax.models.cache import KVCache
 from agentgym_jax.models.config import ModelConfig
 
-_NEG_INF = -1e30  # finite, so a row with no visible key gives a uniform softmax, not NaN
 _ACTIVATION = ("batch", None, None)  # [B, T, D] between blocks: split over data-parallel axes
 
 
@@ -98,119 +98,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return (h * cos + rotated * sin).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """Grouped-query attention as two batched matmuls per kv head.
-
-  The G query heads sharing a kv head are folded into the query-row axis (G * T rows), so a
-  few queries still make a matmul rather than a matrix-vector product per head (at T = 1 this
-  was ~1.7x faster on XLA:CPU than keeping G as a separate einsum axis).
-
-  Args:
-    q: [B, T, K, G, Dh] queries (K kv heads, G query heads each).
-    k: [B, K, Dh, S] keys, slots last (the cache's layout, see `models.cache`).
-    v: [B, K, S, Dh] values.
-    mask: [B, T, S] bool, True where query t may see key s.
-
-  Returns:
-    [B, T, K * G * Dh], heads ordered as transformers orders them (h = k * G + g).
-  """
-  b, t, kh, g, dh = q.shape
-  s = k.shape[3]
-  rows = q.transpose(0, 2, 3, 1, 4).reshape(b, kh, g * t, dh)
-  scores = jnp.einsum("bkqd,bkds->bkqs", rows, k, preferred_element_type=jnp.float32)
-  mask = jnp.broadcast_to(mask[:, None, None], (b, 1, g, t, s)).reshape(b, 1, g * t, s)
-  scores = jnp.where(mask, scores * (dh ** -0.5), _NEG_INF)
-  # Softmax normalised after the value matmul: a divide per [.., Dh] output instead of per
-  # [.., S] score row, forward and backward. The max is a shift that cancels: no gradient.
-  weights = jnp.exp(scores - jax.lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True)))
-  out = jnp.einsum("bkqs,bksd->bkqd", weights.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
-  out = (out / jnp.sum(weights, axis=-1, keepdims=True)).astype(v.dtype)
-  out = out.reshape(b, kh, g, t, dh)
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, kh * g * dh)
-
-
-# Query blocks of the full-sequence forward: block i scores the keys of blocks 0..i only, so
-# 4 blocks compute 10/16 of the [T, T] scores (the rest lie above the diagonal, all masked).
-_CAUSAL_BLOCKS = 4
-
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-  """`attention` of a chunk over its own keys (S = T) under a causal mask, in query blocks.
-
-  Same arguments and result as `attention`, but `mask` [B, T, T] must be False wherever s > t:
-  the keys past a query block's end are left out, not masked.
-  """
-  t = q.shape[1]
-  n = min(_CAUSAL_BLOCKS, t)
-  ends = [t * (i + 1) // n for i in range(n)]
-  outs = [attention(q[:, start:end], k[..., :end], v[:, :, :end], mask[:, start:end, :end])
-          for start, end in zip([0] + ends[:-1], ends)]
-  return jnp.concatenate(outs, axis=1)
-
-
-# Elements of one block of attention scores: 16 MB of float32. One [B, H, T, S] score tensor
-# for a whole observation chunk is tens of MB, and splitting it so that each block's scores
-# stay near the cache made an extend several times faster on XLA:CPU. Blocks take whole rows
-# first and split a row's queries only when one row's scores do not fit: rows keep the
-# matmuls G * T queries tall (an extend of B 32, T 64 at S 1024 on the 4M rollout benchmark
-# model: 850 ms in blocks of 4 queries of every row, 510-530 ms in blocks of 8 rows).
-_SCORE_BLOCK = 1 << 22
-
-
-def _largest_power_of_two_block(n: int, fits) -> int:
-  """The largest power of two dividing n for which fits(block) holds (at least 1)."""
-  block = 1
-  while n % (block * 2) == 0 and fits(block * 2):
-    block *= 2
-  return block
-
-
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                     score_block: int = _SCORE_BLOCK) -> jax.Array:
-  """`attention` for queries against a cache of S slots, arranged for speed.
-
-  Same arguments and result as `attention`, in blocks of rows (and, when one row's scores
-  exceed `score_block` elements, of that row's queries) of at most `score_block` scores each.
-  A decode step (T = 1) is plain `attention` over all rows at once: its G query heads per kv
-  head make the matmul rows. A row's queries split into equal blocks, the last padded where
-  they do not divide evenly (padded queries see no key and are dropped): 1,400 queries in 5
-  blocks of 280, where blocks dividing 1,400 by a power of two were 175 blocks of 8 (one
-  extend of 32 rows x 1,400 tokens at 1,536 slots, the rollout benchmark's 4M model: 4.2-4.4
-  s, 7.4 s before). A multiply-and-reduce over the transposed keys, with the values summed in
-  groups of 64 slots, cost about the same from 256 to 1,024 slots but fell off a cliff past
-  ~1,500 on an Intel Xeon (AVX-512): 32 decode steps of the 4M rollout benchmark model, 32
-  rows, 583 vs 2,809 ms at 1,536 slots, 787 vs 4,057 ms at 2,048.
-  """
-  b, t, kh, g, dh = q.shape
-  per_query = kh * g * k.shape[3]  # scores of one query of one row
-  if per_query * t <= score_block:
-    blocks = 1
-    rows = b if per_query * t * b <= score_block else _largest_power_of_two_block(
-        b, lambda n: per_query * t * n <= score_block)
-  else:  # a row's scores alone overflow the block: one row at a time, its queries in blocks
-    rows = 1
-    blocks = -(-t // max(score_block // per_query, 1))
-  queries = -(-t // blocks)
-
-  def row_block(qkvm):
-    q, k, v, mask = qkvm
-    if blocks == 1:
-      return attention(q, k, v, mask)
-    pad = ((0, 0), (0, blocks * queries - t))
-    q_blocks = jnp.pad(q, pad + ((0, 0),) * 3).reshape(rows, blocks, queries, kh, g, dh)
-    mask_blocks = jnp.pad(mask, pad + ((0, 0),)).reshape(rows, blocks, queries, -1)
-    out = jax.lax.map(lambda qm: attention(qm[0], k, v, qm[1]),
-                      (q_blocks.swapaxes(0, 1), mask_blocks.swapaxes(0, 1)))
-    return out.swapaxes(0, 1).reshape(rows, blocks * queries, kh * g * dh)[:, :t]
-
-  if rows == b:
-    return row_block((q, k, v, mask))
-  split = lambda x: x.reshape((b // rows, rows) + x.shape[1:])
-  out = jax.lax.map(row_block, tuple(map(split, (q, k, v, mask))))
-  return out.reshape(b, t, kh * g * dh)
-
-
 class Block(nnx.Module):
   """Pre-norm decoder block: x + attn(norm(x)), then x + swiglu(norm(x))."""
 
@@ -255,7 +142,7 @@ class Block(nnx.Module):
                ) -> jax.Array:
     """Self-attention over the chunk itself. x [B, T, D], causal mask [B, T, T] -> [B, T, D]."""
     q, k, v = self.project_qkv(x, cos, sin)
-    out = causal_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
+    out = attention_lib.self_attention(q, k, v, mask, self.cfg.attention)
     return self.finish(x, out)
 
 
@@ -310,8 +197,9 @@ class Backbone(nnx.Module):
     for i, block in enumerate(self.layers):
       q, k, v = block.project_qkv(x, cos, sin)
       k_buf, v_buf = cache.write(i, k, v, starts)
-      out = cached_attention(q, k_buf[..., :view].astype(q.dtype),
-                             v_buf[:, :, :view].astype(q.dtype), mask)
+      out = attention_lib.cache_attention(q, k_buf[..., :view].astype(q.dtype),
+                                          v_buf[:, :, :view].astype(q.dtype), starts, mask,
+                                          self.cfg.attention)
       x = sharding.constrain(block.finish(x, out), _ACTIVATION)
       ks.append(k_buf)
       vs.append(v_buf)

@@ -112,6 +112,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"
   # Recompute each block's activations in the backward pass (memory for compute).
   c.model.remat = False
+  # Attention implementation: "auto" (a Pallas splash-attention kernel when compiling for TPU,
+  # else XLA), "xla", "pallas" (TPU only) or "pallas_interpret" (the kernel interpreted; tests).
+  # See agentgym_jax/models/attention.py for which program uses which.
+  c.model.attention = "auto"
 
   # ----- tokenizer ---------------------------------------------------------------------------
   c.tokenizer = ml_collections.ConfigDict()
@@ -354,9 +358,13 @@ def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       not ModelConfig fields.
   """
   from agentgym_jax.models import ModelConfig  # pylint: disable=import-outside-toplevel
+  from agentgym_jax.models.config import ATTENTION_IMPLS  # pylint: disable=import-outside-toplevel
   unknown = _unknown_fields(config, base_config())
   arch_fields = {f.name for f in dataclasses.fields(ModelConfig)}
   unknown += [f"model.arch.{k}" for k in config.model.arch if k not in arch_fields]
+  if config.model.attention not in ATTENTION_IMPLS:
+    raise ValueError(f"model.attention {config.model.attention!r} is not one of "
+                     f"{ATTENTION_IMPLS}.")
   if unknown:
     raise ValueError(f"Config fields the trainer does not know (misspelt?): {unknown}. "
                      "Every field is defined, with its meaning, in "
