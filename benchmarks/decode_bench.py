@@ -25,7 +25,6 @@ import argparse
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers
@@ -42,7 +41,7 @@ def ours_turn(graphdef, state, ids: np.ndarray, new: int) -> tuple[float, float]
   """Seconds of our prefill and of our N-token decode of rows `ids` [B, P]."""
   rows, prompt = ids.shape
   batch = DecodeBatch(graphdef, state, rows, limit=1 << 30, grow=True, mesh=None,
-                      cache_dtype=jnp.float32, max_reply_tokens=new)
+                      max_reply_tokens=new)
   batch.assign(np.arange(rows), jax.random.split(jax.random.key(0), rows))
   batch.start(np.ones(rows, bool), np.zeros(rows, np.int32))
   chunks = ids.tolist()

@@ -64,10 +64,11 @@ def padded_batch(seed=0, lengths=(13, 8, 3, 1), vocab=256):
 _SCHEDULE = ([5, 3, 2, 1], "grow", [1, 1, 0, 0], [1, 0, 1, 0], [6, 4, 0, 0])
 
 
-def cached_logits(model, cfg, tokens, cache_dtype):
-  """Logits [B, T, V] of every real token through `Decoder.extend`, fed along _SCHEDULE."""
+def cached_logits(model, cfg, tokens):
+  """Logits [B, T, V] of every real token through `Decoder.extend`, fed along _SCHEDULE (the
+  cache in the model's dtype)."""
   extend = nnx.jit(lambda m, t, n, c: m.extend(t, n, c))
-  cache = KVCache.init(cfg, tokens.shape[0], 8, cache_dtype)
+  cache = KVCache.init(cfg, tokens.shape[0], 8)
   out = np.zeros(tokens.shape + (cfg.vocab_size,), np.float32)
   done = np.zeros(tokens.shape[0], int)
   for num_new in _SCHEDULE:
@@ -106,7 +107,7 @@ def test_logits_match_transformers(tmp_path, family):
   assert ours.dtype == np.float32
   diff = np.abs(ours - ref)[valid].max()
   assert diff < 1e-4, f"{family}: max |logit diff| {diff}"
-  diff = np.abs(cached_logits(model, cfg, tokens, jnp.float32) - ref)[valid].max()
+  diff = np.abs(cached_logits(model, cfg, tokens) - ref)[valid].max()
   assert diff < 1e-4, f"{family}, cached: max |logit diff| {diff}"
 
 
@@ -134,7 +135,7 @@ def test_bfloat16_logits_as_close_as_transformers_own(tmp_path, family):
   ref = transformers_logits(torch_model, tokens, valid)
   theirs = np.abs(transformers_logits(torch_model.to(torch.bfloat16), tokens, valid) - ref)
   ours = np.abs(np.asarray(model(jnp.asarray(tokens), jnp.asarray(valid))) - ref)
-  cached = np.abs(cached_logits(model, cfg, tokens, jnp.bfloat16) - ref)
+  cached = np.abs(cached_logits(model, cfg, tokens) - ref)
   for name, diff in (("forward", ours), ("cached", cached)):
     assert diff[valid].max() < 2 * theirs[valid].max(), (name, diff[valid].max())
 

@@ -138,14 +138,15 @@ def test_writes_past_cache_end_are_dropped(model):
 
 
 def test_kv_cache_init_grow_and_donation(model):
-  cache = KVCache.init(TINY, batch_size=3, max_len=16, dtype=jnp.bfloat16)
+  bf16 = dataclasses.replace(TINY, param_dtype="bfloat16")  # the cache takes the model's dtype
+  cache = KVCache.init(bf16, batch_size=3, max_len=16)
   assert len(cache.k) == len(cache.v) == TINY.num_layers
   assert cache.k[0].shape == (3, 2, 8, 16) and cache.v[0].shape == (3, 2, 16, 8)
   assert cache.k[0].dtype == jnp.bfloat16
   assert cache.lengths.dtype == jnp.int32 and cache.max_len == 16
   pointers = {x.unsafe_buffer_pointer() for x in cache.k + cache.v}
   assert len(pointers) == 2 * TINY.num_layers
-  graphdef, state = nnx.split(_make(TINY, randomize=False))
+  graphdef, state = nnx.split(_make(bf16, randomize=False))
   step = jax.jit(lambda s, t, n, c: nnx.merge(graphdef, s).extend(t, n, c), donate_argnums=3)
   _, new = step(state, jnp.ones((3, 2), jnp.int32), jnp.array([2, 1, 0]), cache)
   np.testing.assert_array_equal(new.lengths, [2, 1, 0])

@@ -66,8 +66,45 @@ def test_top_p_sampling_frequencies():
   counts = np.bincount(np.asarray(tokens), minlength=4) / n
   assert counts[2] == counts[3] == 0
   np.testing.assert_allclose(counts[:2], [0.5 / 0.8, 0.3 / 0.8], atol=0.03)
-  # The log-prob is under the full (unfiltered) softmax.
-  np.testing.assert_allclose(np.asarray(logprobs), np.log(PROBS)[np.asarray(tokens)], rtol=1e-5)
+  # The log-prob is under the distribution sampled from: renormalised over the kept tokens.
+  np.testing.assert_allclose(np.asarray(logprobs), np.log(PROBS / 0.8)[np.asarray(tokens)],
+                             rtol=1e-5)
+
+
+def test_sampling_logprobs_golden_top_k_and_top_p():
+  """Hand-computed: top-k = 2 keeps 0.5, 0.3 -> log(0.5 / 0.8), log(0.3 / 0.8); top-p = 0.5
+  keeps 0.5 alone -> log 1 = 0; T = 2 with top-k = 2 renormalises sqrt(p) over two tokens."""
+  logits = jnp.log(jnp.asarray([PROBS]))
+  lp = lambda cfg: np.asarray(sampler.sampling_logprobs(logits, cfg))[0]
+  np.testing.assert_allclose(lp(SamplingConfig(top_k=2))[:2], [np.log(0.625), np.log(0.375)],
+                             rtol=1e-6)
+  np.testing.assert_allclose(lp(SamplingConfig(top_p=0.5))[0], 0.0, atol=1e-7)
+  root = np.sqrt(PROBS[:2])
+  np.testing.assert_allclose(lp(SamplingConfig(temperature=2.0, top_k=2))[:2],
+                             np.log(root / root.sum()), rtol=1e-6)
+  for cfg in (SamplingConfig(top_k=2), SamplingConfig(top_p=0.5)):
+    assert (lp(cfg)[2:] < -1e29).all()  # filtered tokens: no mass
+  # Off: the full softmax at T, what the trainer scores (train.update.token_logprobs).
+  np.testing.assert_allclose(lp(SamplingConfig()), np.log(PROBS), rtol=1e-6)
+
+
+def test_filtered_logprobs_differ_from_trainers_by_the_kept_mass():
+  """The correction the sampler docstring describes: for a sampled token the trainer's
+  full-softmax log-prob minus the sampler's is log Z, Z the kept mass, so the truncated
+  importance weight exp(logp_update - logp_rollout) is p / q = Z; without filtering it is 1."""
+  from agentgym_jax.train.update import token_logprobs  # pylint: disable=import-outside-toplevel
+  n = 64
+  logits = jax.random.normal(jax.random.key(3), (n, VOCAB)) * 2
+  for cfg, kept_mass in ((SamplingConfig(top_k=2), None), (SamplingConfig(top_p=0.6), None),
+                         (SamplingConfig(), 1.0)):
+    tokens, rollout = sampler.sample_tokens(logits, _keys(n, 7), cfg)
+    # token_logprobs scores tokens[t + 1] with logits[t], reported at position t + 1.
+    seq = jnp.stack([jnp.zeros_like(tokens), tokens], axis=1)
+    update = np.asarray(token_logprobs(jnp.stack([logits, logits], axis=1), seq))[:, 1]
+    probs = np.asarray(jax.nn.softmax(logits))
+    kept = np.asarray(sampler.filter_logits(logits, cfg)) > -1e29
+    z = (probs * kept).sum(-1) if kept_mass is None else np.full(n, kept_mass)
+    np.testing.assert_allclose(np.exp(update - np.asarray(rollout)), z, rtol=1e-4)
 
 
 def test_greedy_and_top_k_one_are_argmax():
@@ -80,8 +117,7 @@ def test_greedy_and_top_k_one_are_argmax():
   top1, lp1 = sampler.sample_tokens(logits, _keys(16, 5), SamplingConfig(temperature=0.7,
                                                                          top_k=1))
   np.testing.assert_array_equal(top1, argmax)
-  np.testing.assert_allclose(
-      lp1, np.asarray(jax.nn.log_softmax(logits / 0.7))[np.arange(16), argmax], rtol=1e-6)
+  np.testing.assert_allclose(lp1, 0.0, atol=1e-6)  # all the kept mass is on the argmax
 
 
 def test_sampling_config_rejects_bad_values():
@@ -192,7 +228,7 @@ def test_shared_openings_are_prefilled_once_with_the_numbers_of_a_plain_prefill(
   a, b, c = (prefix + rng.integers(3, VOCAB, n).tolist() for n in (5, 9, 1))
   mesh = make_mesh([("data", -1), ("fsdp", 1), ("tensor", 1)],
                    devices=jax.devices()[:2]) if sharded else None
-  batch = lambda: DecodeBatch(graphdef, state, 6, 1024, True, mesh, jnp.float32, 8)
+  batch = lambda: DecodeBatch(graphdef, state, 6, 1024, True, mesh, 8)
   fed = []
   real_extend = sampler.extend
   monkeypatch.setattr(sampler, "extend", lambda *args: fed.append(int(np.sum(args[5]))) or (

@@ -197,9 +197,8 @@ class Backbone(nnx.Module):
     for i, block in enumerate(self.layers):
       q, k, v = block.project_qkv(x, cos, sin)
       k_buf, v_buf = cache.write(i, k, v, starts)
-      out = attention_lib.cache_attention(q, k_buf[..., :view].astype(q.dtype),
-                                          v_buf[:, :, :view].astype(q.dtype), starts, mask,
-                                          self.cfg.attention)
+      out = attention_lib.cache_attention(q, *cache.attention_view(k_buf, v_buf, q), starts,
+                                          mask, self.cfg.attention)
       x = sharding.constrain(block.finish(x, out), _ACTIVATION)
       ks.append(k_buf)
       vs.append(v_buf)

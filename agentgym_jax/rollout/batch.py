@@ -59,8 +59,9 @@ def _copy_rows(cache: KVCache, logits: jax.Array, source: KVCache, source_logits
     mask = rows.reshape((-1,) + (1,) * (mine.ndim - 1))
     return jnp.where(mask, theirs[source_rows].astype(mine.dtype), mine)
 
-  head = KVCache(k=tuple(map(pick, head.k, source.k)), v=tuple(map(pick, head.v, source.v)),
-                 lengths=pick(head.lengths, source.lengths))
+  head = head.replace(k=tuple(map(pick, head.k, source.k)),
+                      v=tuple(map(pick, head.v, source.v)),
+                      lengths=pick(head.lengths, source.lengths))
   return cache.with_head(head), pick(logits, source_logits)
 
 
@@ -112,12 +113,14 @@ class DecodeBatch:
   """The device-side state: KV cache rows, their episodes and the pending logits."""
 
   def __init__(self, graphdef, state, rows: int, limit: int, grow: bool, mesh: Mesh | None,
-               cache_dtype, max_reply_tokens: int):
+               max_reply_tokens: int):
     self.cfg = nnx.merge(graphdef, state).cfg
     self.graphdef, self.state, self.mesh, self.limit = graphdef, state, mesh, limit
-    self.max_reply_tokens, self.cache_dtype = max_reply_tokens, cache_dtype
+    self.max_reply_tokens = max_reply_tokens
     length = sampler.cache_bucket(0, limit) if grow else limit
-    self.cache = self._put(KVCache.init(self.cfg, rows, length, cache_dtype))
+    # The cache takes the model's dtype, and the layout of the platform it lives on.
+    platform = None if mesh is None else mesh.devices.flat[0].platform
+    self.cache = self._put(KVCache.init(self.cfg, rows, length, platform))
     self.logits = self._put(jnp.zeros((rows, self.cfg.vocab_size), jnp.float32))
     self.episode_of_row = np.full((rows,), -1, np.int64)
     self.keys = self.turn = None
@@ -211,7 +214,7 @@ class DecodeBatch:
     same devices, for the openings it prefills and `_copy_from` copies."""
     rows = -(-rows // self.shards) * self.shards
     return DecodeBatch(self.graphdef, self.state, rows, sampler.cache_bucket(tokens, self.limit),
-                       False, self.mesh, self.cache_dtype, self.max_reply_tokens)
+                       False, self.mesh, self.max_reply_tokens)
 
   def _copy_from(self, source: DecodeBatch, rows: list[int], source_rows: np.ndarray,
                  tokens: int) -> None:

@@ -360,7 +360,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
                  sampling: SamplingConfig = SamplingConfig(), max_context: int = 4096,
                  rng: Any = 0, system_prompt: str | None = None, mesh: Mesh | None = None,
                  acknowledgement: str | None = None, max_chunk: int = 512,
-                 compact: bool = True, grow_cache: bool = True, cache_dtype=jnp.float32,
+                 compact: bool = True, grow_cache: bool = True,
                  replicas: int = 1, rows: Sequence[int] | None = None,
                  on_ended: Callable[[int], None] | None = None, history_turns: int = 0,
                  invalid_action_reward: float = 0.0, overlap_env: bool = False
@@ -388,8 +388,8 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     compact: shrink the batch when at most half the rows are still running.
     grow_cache: start the KV cache at 256 slots and grow it by 1.5x or 2x as rows need
       (fastest: a decode step reads the whole cache); False allocates `max_context` slots at
-      once (one cache length, so fewer compilations, e.g. where compiling is slow).
-    cache_dtype: KV cache dtype.
+      once (one cache length, so fewer compilations, e.g. where compiling is slow). The
+      cache takes the model's dtype (`ModelConfig.dtype`).
     replicas: independent batches the episodes are split into, each on its own slice of the
       mesh's data axis (without a mesh: one local device each); see the module docstring.
     rows: which of the len(task_ids) * group_size episodes to run, in order (default all); the
@@ -448,7 +448,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
       if len(cohort) == 0:
         continue
       batch = DecodeBatch(graphdef, replica_state, -(-len(cohort) // shards) * shards, limit,
-                          grow_cache, replica_mesh, cache_dtype, sampling.max_reply_tokens)
+                          grow_cache, replica_mesh, sampling.max_reply_tokens)
       batch.assign(cohort, episode_keys)
       batches.append(batch)
 

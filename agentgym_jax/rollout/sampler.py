@@ -30,9 +30,20 @@ saves one forward step per turn and keeps "what is in the cache" equal to "what 
 next chunk".
 
 Log-probabilities: `sample_logprobs` is the log-probability of the sampled token under the
-temperature-scaled FULL softmax, log softmax(logits / T), before top-k/top-p filtering (under
-softmax(logits) when greedy). At T = 1 it therefore equals the log-prob a plain forward pass
-gives the same token, which is what PPO's "old log-probs" recompute.
+distribution the sampler drew it from (`sampling_logprobs`): softmax(logits / T) with top-k /
+top-p applied and renormalised over the kept tokens (under softmax(logits) when greedy at
+T = 0). With top-k / top-p off and T = 1 it equals the log-prob a plain forward pass gives the
+same token.
+
+Why the filtered distribution, while the trainer (`train.update`) scores the full softmax:
+the sampler's log-probs describe the behaviour policy q, the trainer's the policy p it updates.
+For a kept token q = p / Z, Z the kept mass, so the importance weight p / q = Z that truncated
+importance sampling (`algo.tis_cap`) applies to each token is exactly the correction for
+sampling from the filtered policy, and the logged mismatch |logp_rollout - logp_update| shows
+how much filtering moved it (-log Z). The other choice, filtering the trainer's softmax too,
+would sort or top-k the vocabulary for every trained token and put a non-differentiable cut
+into the loss; full-softmax log-probs here would hide the mismatch (weights of 1 while the
+samples come from q).
 """
 
 from __future__ import annotations
@@ -143,6 +154,21 @@ def filter_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
   return scaled
 
 
+def sampling_logprobs(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:
+  """Log-probs of the distribution `sample_tokens` draws from (module docstring).
+
+  Args:
+    logits: [B, V] float32 next-token logits.
+
+  Returns:
+    [B, V] float32: log softmax(filter_logits(logits)), about -1e30 outside top-k / top-p;
+    log softmax(logits) when greedy at temperature 0 (no distribution is sampled).
+  """
+  if sampling.temperature == 0.0:
+    return jax.nn.log_softmax(logits, axis=-1)
+  return jax.nn.log_softmax(filter_logits(logits, sampling), axis=-1)
+
+
 def sample_tokens(logits: jax.Array, keys: jax.Array, sampling: SamplingConfig
                   ) -> tuple[jax.Array, jax.Array]:
   """Draws one token per row.
@@ -153,13 +179,11 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sampling: SamplingConfig
     sampling: the SamplingConfig.
 
   Returns:
-    tokens [B] int32 and their log-probs [B] float32 under log softmax(logits / T) (the full,
-    unfiltered distribution; T = 1 when greedy).
+    tokens [B] int32 and their log-probs [B] float32 under `sampling_logprobs` (the filtered,
+    renormalised distribution they were drawn from).
   """
   if sampling.greedy:
     tokens = jnp.argmax(logits, axis=-1)
-    scale = 1.0 if sampling.temperature == 0.0 else sampling.temperature
-    logprobs = jax.nn.log_softmax(logits / scale, axis=-1)
   else:
     # Inverse-CDF sampling: one uniform number per row instead of Gumbel noise for every
     # vocabulary entry (4.8M random numbers per step for 32 rows of a 151k vocabulary).
@@ -169,8 +193,8 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, sampling: SamplingConfig
     u = (1.0 - jax.vmap(jax.random.uniform)(keys)) * cdf[:, -1]
     # The first index whose cumulative mass reaches u; entries of zero mass are never it.
     tokens = jnp.minimum(jnp.sum(cdf < u[:, None], axis=-1), logits.shape[-1] - 1)
-    logprobs = jax.nn.log_softmax(logits / sampling.temperature, axis=-1)
   tokens = tokens.astype(jnp.int32)
+  logprobs = sampling_logprobs(logits, sampling)  # XLA computes the shared filter once
   return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
