@@ -198,6 +198,32 @@ def test_remat_same_gradients(model):
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(g1))
 
 
+@pytest.mark.parametrize("remat", [False, True])
+def test_blocks_as_a_scan_give_the_unrolled_loss_and_gradients(model, remat):
+  tokens, valid = _batch([6, 4], seed=6)
+  graphdef, state = nnx.split(model)
+  def loss(state, layer_loop):
+    cfg = dataclasses.replace(TINY, remat=remat, layer_loop=layer_loop)
+    gd, _ = nnx.split(nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0))))
+    logits = nnx.merge(gd, state)(tokens, valid)
+    return jnp.sum(jnp.where(valid, jax.nn.log_softmax(logits)[..., 0], 0))
+  unrolled = jax.jit(jax.value_and_grad(lambda s: loss(s, "unroll")))(state)
+  scanned = jax.jit(jax.value_and_grad(lambda s: loss(s, "scan")))(state)
+  for a, b in zip(jax.tree.leaves(unrolled), jax.tree.leaves(scanned)):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+  scan_program = jax.jit(lambda s: loss(s, "scan")).lower(state).as_text()
+  assert "stablehlo.while" in scan_program  # a loop over the blocks, not TINY's two copies
+
+
+def test_layer_loop_auto_unrolls_on_cpu_and_scans_elsewhere():
+  from agentgym_jax.models.decoder import resolve_layer_loop  # pylint: disable=import-outside-toplevel
+  assert resolve_layer_loop("auto", "cpu") == "unroll"
+  assert resolve_layer_loop("auto", "tpu") == resolve_layer_loop("auto", "gpu") == "scan"
+  assert resolve_layer_loop("unroll", "tpu") == "unroll"
+  with pytest.raises(ValueError, match="layer_loop 'scanned' is not one of"):
+    resolve_layer_loop("scanned")
+
+
 def test_value_model(model):
   tokens, valid = _batch([6, 2])
   values = nnx.jit(lambda: ValueModel(TINY, rngs=nnx.Rngs(0))(tokens, valid))()

@@ -32,6 +32,8 @@ _DTYPES = ("float32", "bfloat16")
 # Attention implementations (see `models.attention`): "auto" = the Pallas kernel on TPU, else
 # XLA; "pallas_interpret" runs the kernel in the Pallas interpreter on any backend (tests).
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+# How the training forward runs the blocks: "auto" (scan on accelerators, unroll on CPU).
+LAYER_LOOPS = ("auto", "scan", "unroll")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +59,8 @@ class ModelConfig:
     model_type: HF family name used on export ("qwen2", "qwen3", "llama").
     param_dtype: "float32" or "bfloat16"; activations follow it, logits are float32.
     remat: recompute each block's activations in the backward pass (saves memory).
+    layer_loop: the training forward's blocks as a `lax.scan` ("scan"), a Python loop
+      ("unroll") or "auto" (`decoder.resolve_layer_loop`).
     attention: "auto" | "xla" | "pallas" | "pallas_interpret", the attention implementation
       (`models.attention`); "auto" resolves when a program is traced, to the Pallas kernel
       on TPU (`attention.resolve_attention`).
@@ -82,6 +86,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False
   attention: str = "auto"
+  layer_loop: str = "auto"
   initializer_range: float = 0.02
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
@@ -102,6 +107,8 @@ class ModelConfig:
       raise ValueError(f"param_dtype {self.param_dtype!r} is not one of {_DTYPES}.")
     if self.attention not in ATTENTION_IMPLS:
       raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_IMPLS}.")
+    if self.layer_loop not in LAYER_LOOPS:
+      raise ValueError(f"layer_loop {self.layer_loop!r} is not one of {LAYER_LOOPS}.")
     if self.model_type not in _FAMILIES:
       raise ValueError(f"model_type {self.model_type!r} is not one of {sorted(_FAMILIES)}.")
     if self.rope_scaling is not None:

@@ -116,6 +116,10 @@ def base_config() -> ml_collections.ConfigDict:
   # else XLA), "xla", "pallas" (TPU only) or "pallas_interpret" (the kernel interpreted; tests).
   # See agentgym_jax/models/attention.py for which program uses which.
   c.model.attention = "auto"
+  # The training forward's blocks: "auto" (a lax.scan on accelerators, which bounds FSDP's
+  # gathered weights to one layer; a Python loop on CPU, which is faster there), "scan" or
+  # "unroll".
+  c.model.layer_loop = "auto"
 
   # ----- tokenizer ---------------------------------------------------------------------------
   c.tokenizer = ml_collections.ConfigDict()
@@ -358,13 +362,16 @@ def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       not ModelConfig fields.
   """
   from agentgym_jax.models import ModelConfig  # pylint: disable=import-outside-toplevel
-  from agentgym_jax.models.config import ATTENTION_IMPLS  # pylint: disable=import-outside-toplevel
+  from agentgym_jax.models.config import ATTENTION_IMPLS, LAYER_LOOPS  # pylint: disable=import-outside-toplevel
   unknown = _unknown_fields(config, base_config())
   arch_fields = {f.name for f in dataclasses.fields(ModelConfig)}
   unknown += [f"model.arch.{k}" for k in config.model.arch if k not in arch_fields]
   if config.model.attention not in ATTENTION_IMPLS:
     raise ValueError(f"model.attention {config.model.attention!r} is not one of "
                      f"{ATTENTION_IMPLS}.")
+  if config.model.layer_loop not in LAYER_LOOPS:
+    raise ValueError(f"model.layer_loop {config.model.layer_loop!r} is not one of "
+                     f"{LAYER_LOOPS}.")
   if unknown:
     raise ValueError(f"Config fields the trainer does not know (misspelt?): {unknown}. "
                      "Every field is defined, with its meaning, in "

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -80,11 +81,17 @@ def load_tokenizer(config: ml_collections.ConfigDict, workdir: str | None) -> Ch
                    "'smollm2' or an existing tokenizer directory.")
 
 
-def _with_remat(model: Decoder, remat: bool, attention: str = "auto") -> Decoder:
-  """Sets the (static) remat and attention fields on every submodule holding the config."""
-  if model.cfg.remat == remat and model.cfg.attention == attention:
+def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The ModelConfig fields the run chooses, not the checkpoint: remat, attention, layer loop."""
+  return dict(remat=config.model.remat, attention=config.model.attention,
+              layer_loop=config.model.layer_loop)
+
+
+def _with_settings(model: Decoder, settings: dict[str, Any]) -> Decoder:
+  """Sets the (static) `run_settings` on every submodule holding the model config."""
+  cfg = dataclasses.replace(model.cfg, **settings)
+  if cfg == model.cfg:
     return model
-  cfg = dataclasses.replace(model.cfg, remat=remat, attention=attention)
   for _, module in nnx.iter_modules(model):
     if hasattr(module, "cfg"):
       module.cfg = cfg
@@ -96,18 +103,16 @@ def policy_config(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> Mode
   if config.model.source == "random":
     arch = dict(config.model.arch)
     arch["vocab_size"] = arch["vocab_size"] or tok.vocab_size
-    arch.update(remat=config.model.remat, attention=config.model.attention,
-                eos_token_id=tok.end_of_turn_ids[0], pad_token_id=tok.pad_id)
+    arch.update(run_settings(config), eos_token_id=tok.end_of_turn_ids[0],
+                pad_token_id=tok.pad_id)
     return ModelConfig(**arch)
   if config.model.source == "hf":
     return ModelConfig.from_hf_config(config.model.path, param_dtype=config.model.dtype,
-                                      remat=config.model.remat,
-                                      attention=config.model.attention)
+                                      **run_settings(config))
   if config.model.source == "smollm2":
     from gguf import GGUFReader  # pylint: disable=import-outside-toplevel
     cfg = gguf_io.gguf_config(GGUFReader(gguf_io.smollm2_gguf_path()), config.model.dtype)
-    return dataclasses.replace(cfg, remat=config.model.remat,
-                               attention=config.model.attention)
+    return dataclasses.replace(cfg, **run_settings(config))
   raise ValueError(f"model.source must be 'random', 'hf' or 'smollm2', got "
                    f"{config.model.source!r}.")
 
@@ -137,7 +142,7 @@ def build_policy(config: ml_collections.ConfigDict, tok: ChatTokenizer, mesh: Me
                      f"tokenizer's ({tok.vocab_size}); pick a matching tokenizer.spec.")
   if config.init_from:
     _load_init_from(model, config.init_from)
-  return _with_remat(model, config.model.remat, config.model.attention)
+  return _with_settings(model, run_settings(config))
 
 
 def _load_init_from(model: Decoder, workdir: str) -> None:
