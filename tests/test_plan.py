@@ -1,0 +1,90 @@
+"""The TPU plan: slice names, one host's mesh, a whole step compiled for a TPU slice (libtpu,
+ahead of time, on this CPU host), and the one line of a program that does not fit."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agentgym_jax import plan, sharding
+
+libtpu = pytest.importorskip("libtpu", reason="the plan compiles with libtpu: pip install -e '.[tpu]'")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A tiny random model on the paper's SearchQA layout, shrunk: 16 rows, one per v5e-16 chip.
+TINY = ["experiments/agentgym_rl/searchqa.py:runlocal,algo=ppo",
+        "--config.model.arch.vocab_size=512", "--config.data.batch_tasks=8",
+        "--config.data.group_size=2"]
+
+
+@pytest.mark.parametrize("name, chips, grid, hosts", [
+    ("v5e-16", 16, (4, 4), 4), ("v4-32", 16, (2, 2, 4), 4), ("v5e-64", 64, (8, 8), 16),
+    ("v5p-128", 64, (4, 4, 4), 16), ("v6e-8", 8, (2, 4), 1), ("v5e-4", 4, (2, 2), 1),
+    ("v4-8", 4, (2, 2, 1), 1)])
+def test_slice_names_as_users_write_them(name, chips, grid, hosts):
+  slice_ = plan.Slice.parse(name)
+  assert (slice_.chips, slice_.grid, slice_.hosts) == (chips, grid, hosts)
+  assert len(slice_.devices()) == chips
+  assert len(slice_.devices(one_host=True)) == chips // hosts
+
+
+@pytest.mark.parametrize("name", ["v5e16", "v7x-8", "v4-6", "v5e-12", "tpu"])
+def test_a_slice_name_it_cannot_read_is_one_line(name):
+  with pytest.raises(ValueError, match="v5e-16") as info:
+    plan.Slice.parse(name)
+  assert "\n" not in str(info.value)
+
+
+def test_one_hosts_mesh_keeps_tensor_and_cuts_the_data_parallel_axes():
+  slice_ = plan.Slice.parse("v5e-16")
+  whole = sharding.make_mesh((("data", 1), ("fsdp", -1), ("tensor", 1)), slice_.devices())
+  host = plan.host_mesh(whole, slice_.devices(one_host=True))
+  assert dict(host.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
+  whole = sharding.make_mesh((("data", 2), ("fsdp", 4), ("tensor", 2)), slice_.devices())
+  host = plan.host_mesh(whole, slice_.devices(one_host=True))
+  assert dict(host.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
+
+
+def _plan(*args, timeout=600):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  return subprocess.run([sys.executable, "-m", "agentgym_jax.plan", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_tiny_models_whole_step_compiles_for_v5e_16_within_a_minute():
+  start = time.perf_counter()
+  result = _plan("--topology=v5e-16", "--config=" + TINY[0], *TINY[1:])
+  seconds = time.perf_counter() - start
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = result.stdout.splitlines()
+  for program in ("rollout_extend", "rollout_decode", "score_logprobs", "score_values",
+                  "update"):
+    [line] = [l for l in lines if l.startswith(program + " ")]
+    assert line.split()[-1] == "yes", line
+  assert any(l.startswith("Model FLOPs per step") for l in lines), result.stdout
+  assert seconds < 60, seconds
+
+
+def test_a_step_too_big_for_the_slice_exits_1_naming_the_program_and_bytes():
+  # A 4-GiB embedding table replicated on every chip (pure data parallelism) over a v5e's
+  # 15.75 GiB: the train state alone (params, reference, two Adam moments) cannot fit.
+  result = _plan("--topology=v5e-16", "--config=" + TINY[0], *TINY[1:],
+                 "--config.model.arch.hidden_size=4096", "--config.model.arch.vocab_size=262144",
+                 "--config.model.arch.num_heads=32", "--config.model.arch.head_dim=128")
+  assert result.returncode == 1, result.stdout + result.stderr[-2000:]
+  [fatal] = [l for l in result.stderr.splitlines() if l.startswith("FATAL")]
+  assert "GiB per chip on v5e-16" in fatal and "15.75 GiB usable" in fatal, fatal
+
+
+def test_the_papers_models_are_known_without_their_checkpoints():
+  from experiments.agentgym_rl import searchqa  # pylint: disable=import-outside-toplevel
+  for model, layers in (("7b", 28), ("3b", 36)):
+    cfg = plan.model_config(searchqa.get_config(f"model={model}"))
+    assert cfg.num_layers == layers
+  config = searchqa.get_config("model=7b")
+  with config.unlocked():
+    config.model.path = "/nowhere/Qwen9-1T"
+  with pytest.raises(ValueError, match="Qwen2.5-7B-Instruct"):
+    plan.model_config(config)
