@@ -334,7 +334,8 @@ def plan(config: ml_collections.ConfigDict, slice_: Slice,
   batch = run.batch()
   chunks = config.algo.minibatches * config.algo.microbatches
   score_logprobs, score_values = update_lib.make_scorers(
-      run.policy_def, run.critic_def, run.update_cfg.temperature, chunks, run.mesh)
+      run.policy_def, run.critic_def, run.update_cfg.temperature, chunks, run.mesh,
+      compute_dtype=run.update_cfg.compute_dtype)
   tokens, valid = batch["tokens"], batch["valid"]
   compile_program(
       "score_logprobs", lambda: score_logprobs.lower(run.state.policy, tokens, valid),

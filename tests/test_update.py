@@ -373,3 +373,20 @@ def test_the_jitted_steps_pin_activations_whoever_calls_them(run):
   assert len(update) >= CFG.num_layers + 1, update
   assert len(scoring) >= CFG.num_layers + 1, scoring
   assert all('{"data", "fsdp"}' in line for line in update + scoring), update + scoring
+
+
+def test_bfloat16_compute_is_mixed_precision_with_float32_gradients():
+  (graphdef, params), _ = _models()
+  batch = _batch(rows=4)
+
+  def loss(params, dtype):
+    model = nnx.merge(graphdef, update_lib.as_compute(params, dtype))
+    logp, _ = update_lib.sequence_logprobs_and_entropy(model, batch["tokens"], batch["valid"])
+    return jnp.sum(jnp.where(batch["loss_mask"], logp, 0.0))
+
+  (full, full_grads), (mixed, mixed_grads) = (
+      jax.value_and_grad(loss)(params, dtype) for dtype in ("float32", "bfloat16"))
+  np.testing.assert_allclose(mixed, full, rtol=2e-2)
+  for a, b in zip(jax.tree.leaves(mixed_grads), jax.tree.leaves(full_grads)):
+    assert a.dtype == jnp.float32  # the master weights' gradients
+    np.testing.assert_allclose(a, b, atol=0.05 * float(np.abs(b).max()) + 1e-6)

@@ -120,6 +120,10 @@ def base_config() -> ml_collections.ConfigDict:
   # gathered weights to one layer; a Python loop on CPU, which is faster there), "scan" or
   # "unroll".
   c.model.layer_loop = "auto"
+  # The update's and scorers' forward dtype: "float32", or "bfloat16" for mixed precision
+  # (float32 parameters and optimizer, bf16 matmuls and activations; upstream verl's FSDP
+  # default, and half the activation memory of a long row).
+  c.model.compute_dtype = "float32"
 
   # ----- tokenizer ---------------------------------------------------------------------------
   c.tokenizer = ml_collections.ConfigDict()

@@ -244,7 +244,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                                             mesh, shardings)
   score_chunks = config.algo.minibatches * config.algo.microbatches
   score_logprobs, score_values = update_lib.make_scorers(
-      policy_def, critic_def, update_cfg.temperature, score_chunks, mesh)
+      policy_def, critic_def, update_cfg.temperature, score_chunks, mesh,
+      compute_dtype=update_cfg.compute_dtype)
   compute_advantages = algorithm.make_advantage_fn(spec)
 
   ##############################################################################################

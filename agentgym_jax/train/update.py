@@ -105,6 +105,7 @@ class UpdateConfig:
   minibatches: int
   microbatches: int
   temperature: float
+  compute_dtype: str = "float32"  # the forward's: "bfloat16" is mixed precision (`as_compute`)
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "UpdateConfig":
@@ -117,7 +118,8 @@ class UpdateConfig:
         raise ValueError(f"algo.{name} must be >= 1, got {config.algo[name]}.")
     return cls(algo=AlgorithmSpec.from_config(config), epochs=config.algo.epochs,
                minibatches=config.algo.minibatches, microbatches=config.algo.microbatches,
-               temperature=config.rollout.temperature)
+               temperature=config.rollout.temperature,
+               compute_dtype=config.model.compute_dtype)
 
   @property
   def updates_per_step(self) -> int:
@@ -192,6 +194,17 @@ def _logprob_entropy_bwd(temperature, residuals, cotangents):
 
 
 _logprob_entropy.defvjp(_logprob_entropy_fwd, _logprob_entropy_bwd)
+
+
+def as_compute(params: Params, dtype: str) -> Params:
+  """`params` in the forward's compute dtype: floating arrays cast, so a "bfloat16" forward
+  of float32 parameters is mixed precision (upstream verl's FSDP default: bf16 compute,
+  float32 master weights and optimizer); gradients flow back through the cast as float32.
+  A no-op when the parameters already have that dtype."""
+  dtype = jnp.dtype(dtype)
+  cast = lambda x: (x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype
+                    else x)
+  return jax.tree.map(cast, params)
 
 
 # Logits of one block of `sequence_logprobs_and_entropy`'s LM head: 2^26 float32 (256 MiB).
@@ -274,7 +287,7 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
     truncated importance sampling), plus the token count `tokens`,
     so that sums over micro-batches give exact minibatch means.
   """
-  model = nnx.merge(graphdef, params)
+  model = nnx.merge(graphdef, as_compute(params, cfg.compute_dtype))
   mask = micro["loss_mask"]
   logp, entropy = sequence_logprobs_and_entropy(model, micro["tokens"], micro["valid"],
                                                 cfg.temperature)
@@ -301,10 +314,10 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
                           seq_tokens), aux
 
 
-def critic_values(params: Params, graphdef: nnx.GraphDef, tokens: jax.Array, valid: jax.Array
-                  ) -> jax.Array:
+def critic_values(params: Params, graphdef: nnx.GraphDef, tokens: jax.Array, valid: jax.Array,
+                  compute_dtype: str = "float32") -> jax.Array:
   """V(tokens[<t]) aligned with token t: [B, L] -> [B, L] float32 (0 at position 0)."""
-  values = nnx.merge(graphdef, params)(tokens, valid)
+  values = nnx.merge(graphdef, as_compute(params, compute_dtype))(tokens, valid)
   return _shift_right(values[:, :-1])
 
 
@@ -312,7 +325,7 @@ def critic_loss(params: Params, micro: Batch, denominator: jax.Array, *,
                 graphdef: nnx.GraphDef, cfg: UpdateConfig) -> tuple[jax.Array, dict]:
   """Clipped value loss of one micro-batch (needs returns, old_values [m, L]); see policy_loss."""
   mask = micro["loss_mask"]
-  values = critic_values(params, graphdef, micro["tokens"], micro["valid"])
+  values = critic_values(params, graphdef, micro["tokens"], micro["valid"], cfg.compute_dtype)
   token_loss, metrics = losses.value_loss(values, micro["old_values"], micro["returns"], mask,
                                           cliprange_value=cfg.algo.value_clip)
   loss = losses.aggregate(token_loss, mask, cfg.algo.loss_agg_mode, denominator,
@@ -457,9 +470,10 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
 
 
 def make_scorers(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
-                 temperature: float, chunks: int, mesh: Mesh
+                 temperature: float, chunks: int, mesh: Mesh, compute_dtype: str = "float32"
                  ) -> tuple[Callable, Callable | None]:
-  """Jitted forward passes over a rollout batch, `chunks` micro-batches at a time.
+  """Jitted forward passes over a rollout batch, `chunks` micro-batches at a time, in the
+  update's compute dtype (so old log-probs are the update's at its first step).
 
   Returns:
     logprobs(params, tokens, valid) -> [R, L] float32, for old and reference log-probs;
@@ -474,14 +488,14 @@ def make_scorers(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
     return merge_micro(out)
 
   def logprob_fn(params, tokens, valid):
-    model = nnx.merge(policy_def, params)
+    model = nnx.merge(policy_def, as_compute(params, compute_dtype))
     return sequence_logprobs_and_entropy(model, tokens, valid, temperature)[0]
 
   logprobs = jax.jit(sharding_lib.traced_under(mesh, functools.partial(scan_rows, logprob_fn)),
                      in_shardings=(None, rows_spec, rows_spec), out_shardings=rows_spec)
   if critic_def is None:
     return logprobs, None
-  value_fn = functools.partial(critic_values, graphdef=critic_def)
+  value_fn = functools.partial(critic_values, graphdef=critic_def, compute_dtype=compute_dtype)
   values = jax.jit(sharding_lib.traced_under(
       mesh, functools.partial(scan_rows, lambda p, t, v: value_fn(p, tokens=t, valid=v))),
                    in_shardings=(None, rows_spec, rows_spec), out_shardings=rows_spec)

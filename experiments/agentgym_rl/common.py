@@ -200,6 +200,9 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   # as upstream's FSDP mixed precision keeps them: at lr 1e-6, Adam's updates are below
   # bfloat16's resolution for most weights.
   c.model.path = MODELS.get(args.model, "")
+  # bf16 compute over those float32 weights, as upstream's FSDP mixed precision does (halves
+  # the activations of 8k-14k-token rows; docs/tpu.md).
+  c.model.compute_dtype = "bfloat16"
   # Rematerialise blocks: 8k-14k-token trajectories do not fit activations otherwise
   # (upstream: gradient checkpointing on).
   c.model.remat = True
@@ -265,6 +268,8 @@ def smollm2_on_cpu(c: ml_collections.ConfigDict) -> None:
   # base's tokenizer.spec "model").
   c.model.source = SMOLLM2
   c.model.path = ""
+  # XLA:CPU has no fast bf16 matmul: float32 throughout.
+  c.model.compute_dtype = "float32"
   # 4 tasks x 4 samples per step, in one minibatch of one row per micro-batch.
   c.data.batch_tasks = 4
   c.data.group_size = 4
@@ -306,6 +311,7 @@ def shrink_for_cpu(c: ml_collections.ConfigDict, args: ml_collections.ConfigDict
     c.model.arch = ml_collections.ConfigDict(base.TINY_ARCH)
     c.model.arch.max_position_embeddings = max_context
     c.model.remat = False
+    c.model.compute_dtype = "float32"
     c.tokenizer.spec = "bpe:512"
     c.tokenizer.bpe_tasks = 8
     # Tiny models need a real step size to move at all in two steps.
