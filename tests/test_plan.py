@@ -88,3 +88,15 @@ def test_the_papers_models_are_known_without_their_checkpoints():
     config.model.path = "/nowhere/Qwen9-1T"
   with pytest.raises(ValueError, match="Qwen2.5-7B-Instruct"):
     plan.model_config(config)
+
+
+@pytest.mark.slow
+def test_the_7b_searchqa_scaling_inter_config_fits_a_v4_32():
+  # 12,288-token rows of Qwen2.5-7B, one per chip per micro-batch: 2-6 minutes, up to 12 GB.
+  result = _plan("--topology=v4-32",
+                 "--config=experiments/agentgym_rl/searchqa.py:schedule=scaling_inter,model=7b",
+                 timeout=1800)
+  assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+  fits = [l.split()[-1] for l in result.stdout.splitlines() if l.split()[:1] and
+          l.split()[0] in plan.PROGRAMS]
+  assert fits == ["yes"] * 4, result.stdout
