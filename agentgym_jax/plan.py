@@ -134,19 +134,13 @@ class Run:
     critic = (nnx.eval_shape(lambda: ValueModel(cfg, rngs=nnx.Rngs(1)))
               if spec.use_critic else None)
     optimizers = state_lib.Optimizers.from_config(config, with_critic=critic is not None)
-    policy_def, policy_params = state_lib.split_params(policy)
-    critic_def, critic_params = (state_lib.split_params(critic) if critic is not None
-                                 else (None, None))
-    shardings = state_lib.train_state_shardings(
-        policy_shardings=state_lib.param_shardings(policy, mesh),
-        critic_shardings=state_lib.param_shardings(critic, mesh) if critic else None,
-        keep_reference=spec.keep_reference, optimizers=optimizers, policy=policy_params,
-        critic=critic_params, mesh=mesh)
+    split = state_lib.split_models(policy, critic, keep_reference=spec.keep_reference,
+                                   optimizers=optimizers, mesh=mesh)
     state = jax.eval_shape(lambda p, c: state_lib.init_train_state(
         policy=p, critic=c, keep_reference=spec.keep_reference, optimizers=optimizers,
-        seed=0, shardings=shardings), policy_params, critic_params)
-    return cls(config, cfg, mesh, spec, update_cfg, policy_def, critic_def, optimizers,
-               shardings, _abstract(state, shardings))
+        seed=0, shardings=split.shardings), split.policy, split.critic)
+    return cls(config, cfg, mesh, spec, update_cfg, split.policy_def, split.critic_def,
+               optimizers, split.shardings, _abstract(state, split.shardings))
 
   @property
   def rows(self) -> int:

@@ -223,18 +223,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   policy = sources.build_policy(config, tok, mesh)
   critic = sources.build_critic(policy, config.seed, mesh) if spec.use_critic else None
   optimizers = state_lib.Optimizers.from_config(config, with_critic=critic is not None)
-  policy_def, policy_params = state_lib.split_params(policy)
-  critic_def, critic_params = (state_lib.split_params(critic) if critic is not None
-                               else (None, None))
-  shardings = state_lib.train_state_shardings(
-      policy_shardings=state_lib.param_shardings(policy, mesh),
-      critic_shardings=state_lib.param_shardings(critic, mesh) if critic is not None else None,
-      keep_reference=spec.keep_reference, optimizers=optimizers, policy=policy_params,
-      critic=critic_params, mesh=mesh)
+  split = state_lib.split_models(policy, critic, keep_reference=spec.keep_reference,
+                                 optimizers=optimizers, mesh=mesh)
+  policy_def, critic_def, shardings = split.policy_def, split.critic_def, split.shardings
   state = state_lib.init_train_state(
-      policy=policy_params, critic=critic_params, keep_reference=spec.keep_reference,
+      policy=split.policy, critic=split.critic, keep_reference=spec.keep_reference,
       optimizers=optimizers, seed=config.seed, shardings=shardings)
-  del policy, critic, policy_params, critic_params  # the state owns the parameters now
+  del policy, critic, split  # the state owns the parameters now
   logging.info("Policy: %s", jax.tree.reduce(lambda n, x: n + x.size, state.policy, 0))
 
   ##############################################################################################

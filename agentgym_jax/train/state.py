@@ -160,3 +160,29 @@ def train_state_shardings(*, policy_shardings: Any, critic_shardings: Any | None
       ref=policy_shardings if keep_reference else None,
       critic=critic_shardings if critic is not None else None,
       critic_opt_state=critic_opt)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """Models split for the train state: graphdefs, parameters (plain dicts) and the state's
+  shardings (`split_models`)."""
+
+  policy_def: nnx.GraphDef
+  critic_def: nnx.GraphDef | None
+  policy: Params
+  critic: Params | None
+  shardings: TrainState
+
+
+def split_models(policy: nnx.Module, critic: nnx.Module | None, *, keep_reference: bool,
+                 optimizers: Optimizers, mesh: Mesh) -> Split:
+  """The policy's and critic's graphdefs and parameters, and the shardings of the train state
+  built from them; the modules may be abstract (`nnx.eval_shape`), as the TPU plan's are."""
+  policy_def, policy_params = split_params(policy)
+  critic_def, critic_params = split_params(critic) if critic is not None else (None, None)
+  shardings = train_state_shardings(
+      policy_shardings=param_shardings(policy, mesh),
+      critic_shardings=param_shardings(critic, mesh) if critic is not None else None,
+      keep_reference=keep_reference, optimizers=optimizers, policy=policy_params,
+      critic=critic_params, mesh=mesh)
+  return Split(policy_def, critic_def, policy_params, critic_params, shardings)
