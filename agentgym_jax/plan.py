@@ -265,12 +265,16 @@ def rollout_programs(run: Run, host_devices: list[Any], hosts: int,
   rows = -(-run.rows // hosts // shards) * shards
   slots = -(-config.rollout.max_context // 128) * 128  # as run_episodes' limit
   width = min(bucket_length(512, 16), bucket_length(config.rollout.max_context, 16))
-  params = _abstract(run.state.policy, jax.tree.map(
-      lambda s: NamedSharding(local, s.spec), run.shardings.policy))
-  # On one host the rollout reads the train state's own params; on several, a gathered
-  # copy, while the whole state stays in HBM.
-  resident = per_chip_bytes(run.state) - (per_chip_bytes(run.state.policy) if hosts == 1
-                                          else 0)
+  # The rollout's copy of the policy, in the compute dtype (train/loop.py).
+  compute = jnp.dtype(run.update_cfg.compute_dtype)
+  params = jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, compute, sharding=NamedSharding(local, s.spec)),
+      run.state.policy, run.shardings.policy)
+  cfg = dataclasses.replace(cfg, param_dtype=compute.name)  # the cache follows the weights
+  # On one host in float32 the rollout reads the train state's own params; otherwise a copy
+  # (gathered, cast), while the whole state stays in HBM.
+  own = hosts == 1 and compute == jnp.float32
+  resident = per_chip_bytes(run.state) - (per_chip_bytes(run.state.policy) if own else 0)
   batch = NamedSharding(local, P(sharding_lib.BATCH_AXES))
   cache = jax.eval_shape(lambda: KVCache.init(cfg, rows, slots, platform="tpu"))
   cache = _abstract(cache, cache.shardings(local))

@@ -149,3 +149,13 @@ def test_bf16_model_rolls_out_with_a_bf16_cache():
   assert batch.cache.k[0].dtype == jnp.bfloat16
   counts, logprobs = np.asarray(batch.turn.counts), np.asarray(batch.turn.logprobs)
   assert (counts == 8).all() and np.isfinite(logprobs).all() and (logprobs < 0).any()
+
+
+def test_a_bf16_copy_of_float32_weights_rolls_out_with_a_bf16_cache():
+  # Mixed precision (`model.compute_dtype = "bfloat16"`): the trainer rolls out with a bf16
+  # copy of its float32 weights; the cache follows the weights, not the model config.
+  from agentgym_jax.train import update as update_lib  # pylint: disable=import-outside-toplevel
+  graphdef, state = _model(CFG)
+  state = update_lib.as_compute(state, "bfloat16")
+  batch = DecodeBatch(graphdef, state, 4, limit=512, grow=True, mesh=None, max_reply_tokens=8)
+  assert {x.dtype for x in batch.cache.k + batch.cache.v} == {jnp.dtype(jnp.bfloat16)}

@@ -16,6 +16,7 @@ again: the same numbers as a prefill of every row, in a third of the work on tha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -114,11 +115,14 @@ class DecodeBatch:
 
   def __init__(self, graphdef, state, rows: int, limit: int, grow: bool, mesh: Mesh | None,
                max_reply_tokens: int):
-    self.cfg = nnx.merge(graphdef, state).cfg
+    # The cache takes the dtype of the weights it is computed with (a bf16 copy of float32
+    # weights when the run computes in bf16, `model.compute_dtype`), and the layout of the
+    # platform it lives on.
+    weights = jnp.dtype(jax.tree.leaves(state)[0].dtype).name
+    self.cfg = dataclasses.replace(nnx.merge(graphdef, state).cfg, param_dtype=weights)
     self.graphdef, self.state, self.mesh, self.limit = graphdef, state, mesh, limit
     self.max_reply_tokens = max_reply_tokens
     length = sampler.cache_bucket(0, limit) if grow else limit
-    # The cache takes the model's dtype, and the layout of the platform it lives on.
     platform = None if mesh is None else mesh.devices.flat[0].platform
     self.cache = self._put(KVCache.init(self.cfg, rows, length, platform))
     self.logits = self._put(jnp.zeros((rows, self.cfg.vocab_size), jnp.float32))

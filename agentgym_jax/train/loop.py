@@ -320,14 +320,18 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         replay = provenance.step_provenance(
             config, step + 1, task_ids, rollout_key, max_turns,
             provenance.policy_checksum(state.policy), mesh.size) if saving else None
-        traj, stats = sample_batch(config, policy_def, share.local(state.policy), tok, pool,
+        # The rollout computes as the update does: a bf16 copy of float32 weights when the
+        # run is mixed precision (half the per-host copy and KV cache).
+        rollout_params = share.local(update_lib.as_compute(state.policy,
+                                                           update_cfg.compute_dtype))
+        traj, stats = sample_batch(config, policy_def, rollout_params, tok, pool,
                                    task_ids, max_turns, rollout_key, share.mesh, mine)
         traj, stats["episodes"] = multihost.gather_trajectory(traj, stats["episodes"], mine,
                                                               tok.pad_id)
         if spec.dynamic_sampling:  # DAPO: more rounds of tasks until the groups carry signal
           def draw(r, first=cursor, key=rollout_key):
             ids = stream.take(first + (r - 1) * config.data.batch_tasks, config.data.batch_tasks)
-            t, s = sample_batch(config, policy_def, share.local(state.policy), tok, pool, ids,
+            t, s = sample_batch(config, policy_def, rollout_params, tok, pool, ids,
                                 max_turns, jax.random.fold_in(key, r), share.mesh, mine)
             t, s["episodes"] = multihost.gather_trajectory(t, s["episodes"], mine, tok.pad_id)
             return t, s
