@@ -85,6 +85,9 @@ def test_runlocal_smoke_run_checkpoints_resumes_and_exports(smoke):
   assert all(k.startswith("eval/") for k in set(after_one[0]) - {"step"})
   with open(os.path.join(workdir, "train.log")) as f:
     assert "Restored checkpoint 1" in f.read()  # INFO goes to the log file, not the console
+  # ... and the console says where the run resumes from.
+  resume = os.path.join(workdir, "checkpoints", "1")
+  assert f"Resuming from step 1 ({resume})" in log.splitlines(), log[-2000:]
   assert "Held-out success" in log  # the before/after summary line
   lines = metrics(workdir)
   assert [m["step"] for m in lines] == [0, 1, 2]

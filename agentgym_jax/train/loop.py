@@ -257,6 +257,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
              else "no complete checkpoint: starting from scratch."), flush=True)
   cursor = 0
   if ckpt.latest_step() is not None:
+    if jax.process_index() == 0:
+      latest = ckpt.latest_step()
+      print(f"Resuming from step {latest} ({os.path.join(ckpt.directory, str(latest))})",
+            flush=True)
     state, meta = ckpt.restore(state)
     if meta.get("tokenizer") != config.tokenizer.spec:
       raise ValueError(f"The checkpoint in {workdir} was trained with tokenizer "
