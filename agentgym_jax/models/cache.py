@@ -23,8 +23,8 @@ the same [B, K, Dh, S] keys and [B, K, S, Dh] values from both (`attention_view`
 * slots (TPU): k and v [B, S, K * Dh]. XLA:TPU tiles an array's two minor dimensions, and a
   write at a per-row slot inside a tiled dimension made it lay the decode loop's cache out
   slots-major instead: the program converted the whole donated cache into that layout on entry
-  and back on exit, a second cache in temporaries (a 7B model, 32 rows x 9,216 slots, f32 cache
-  on 4 v4 chips: 7.9 GiB of cache, 10.0 GiB of decode temporaries). Stored slots-major with
+  and back on exit, a second cache in temporaries (docs/tpu.md has the 7B figures). Stored
+  slots-major with
   heads flattened into a lane-aligned last axis, the entry layout is the loop's, and nothing is
   converted. Rows of the flattened axis hold whole kv heads, so `tensor` still splits heads.
 """

@@ -164,8 +164,8 @@ def _scan_blocks(layer, blocks: list[Block], x: jax.Array) -> jax.Array:
   """x through `layer(block, x)` for every block in turn, as one `lax.scan` over the blocks'
   parameters stacked on a leading axis.
 
-  On TPU an unrolled loop of FSDP blocks let XLA gather many layers' weights at once (a 7B
-  update compiled for v4-32 grew by 2.4 GiB per layer); a scan holds one layer's at a time.
+  On TPU an unrolled loop of FSDP blocks let XLA gather many layers' weights at once (the
+  update's memory grew with every layer, docs/tpu.md); a scan holds one layer's at a time.
   The stacked copy of the (sharded) parameters is made inside the program, so checkpoints and
   the rollout keep one array per layer.
   """
