@@ -28,8 +28,8 @@ what its chip holds while it runs: its arguments, outputs and temporaries (XLA's
 `resident`, the train state it does not take as an argument but that stays in HBM meanwhile.
 
 FLOPs per step are counted by formula (`step_flops`), not read from the compiler, whose cost
-analysis counts a loop body once; `at peak` is the time they take on all chips at the chip's
-bf16 peak.
+analysis counts a loop body once; the last line gives them with the time they take on all
+chips at the chip's bf16 peak.
 
 Exit status 0 when every program fits, 1 with one line naming the first that does not.
 """
@@ -41,7 +41,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 from typing import Any, Callable
 
@@ -56,7 +55,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import cli
 from agentgym_jax import sharding as sharding_lib
-from agentgym_jax.tpus import GiB, Slice
 from agentgym_jax.models import Decoder, KVCache, ModelConfig, resolve_attention
 from agentgym_jax.models import published
 from agentgym_jax.models.decoder import resolve_layer_loop
@@ -67,6 +65,7 @@ from agentgym_jax.rollout.trajectory import bucket_length
 from agentgym_jax.train import loop, sources
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import update as update_lib
+from agentgym_jax.tpus import GiB, Slice
 
 # ----- the run's shapes ---------------------------------------------------------------------
 
