@@ -43,6 +43,11 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+def data_parallel_size(mesh: Mesh | None) -> int:
+  """How many ways a batch's rows split on `mesh` (its `BATCH_AXES`; 1 without a mesh)."""
+  return 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES)
+
+
 def make_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | None = None
               ) -> Mesh:
   """A mesh with Auto axis types from [(name, size), ...]; at most one size may be -1.

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 from typing import Any
 
@@ -105,11 +104,6 @@ def state_on(state: nnx.State, mesh: Mesh) -> nnx.State:
   return jax.tree.map(put, state)
 
 
-def shards_of(mesh: Mesh | None) -> int:
-  """How many ways a batch on `mesh` splits its rows (row counts are kept a multiple)."""
-  return 1 if mesh is None else math.prod(mesh.shape.get(a, 1) for a in sharding.BATCH_AXES)
-
-
 class DecodeBatch:
   """The device-side state: KV cache rows, their episodes and the pending logits."""
 
@@ -146,7 +140,7 @@ class DecodeBatch:
 
   @property
   def shards(self) -> int:
-    return shards_of(self.mesh)
+    return sharding.data_parallel_size(self.mesh)
 
   def _put(self, tree):
     # Every array here has the batch first: split it over the mesh's (data, fsdp) axes.

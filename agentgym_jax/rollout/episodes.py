@@ -67,8 +67,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from agentgym_jax import sharding
 from agentgym_jax.rollout import window
-from agentgym_jax.rollout.batch import DecodeBatch, replica_meshes, shards_of, state_on
+from agentgym_jax.rollout.batch import DecodeBatch, replica_meshes, state_on
 from agentgym_jax.rollout.sampler import SamplingConfig
 from agentgym_jax.rollout.trajectory import Episode, Trajectory, anchor_id, build_trajectory
 from agentgym_jax.tokenization import ChatTokenizer
@@ -443,7 +444,7 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
   for replica_mesh, members in zip(replica_meshes(mesh, replicas),
                                    np.array_split(np.arange(num), replicas)):
     replica_state = state if replicas == 1 else state_on(state, replica_mesh)
-    shards = shards_of(replica_mesh)
+    shards = sharding.data_parallel_size(replica_mesh)
     for cohort in np.array_split(members, 2 if overlap_env else 1):
       if len(cohort) == 0:
         continue

@@ -68,11 +68,6 @@ class EnvironmentFailing(RuntimeError):
   """The run stopped because most of its episodes kept failing; the message is one line."""
 
 
-def _step_key(state: state_lib.TrainState, step: int, stream: int) -> jax.Array:
-  key = jax.random.fold_in(jax.random.wrap_key_data(jax.device_get(state.rng)), step)
-  return jax.random.fold_in(key, stream)
-
-
 def sample_batch(config: ml_collections.ConfigDict, policy_def: Any, params: Any, tok: Any,
                  pool: Any, task_ids: list[int], max_turns: int, rng: jax.Array,
                  mesh: Mesh | None, rows: np.ndarray | None = None) -> tuple[Any, dict]:
@@ -94,7 +89,7 @@ def sample_batch(config: ml_collections.ConfigDict, policy_def: Any, params: Any
 def check_batch_layout(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
   """Fails early, with the numbers, when the rows of a step cannot be split as configured."""
   rows = config.data.batch_tasks * config.data.group_size
-  shards = int(np.prod([mesh.shape[a] for a in sharding_lib.BATCH_AXES if a in mesh.shape]))
+  shards = sharding_lib.data_parallel_size(mesh)
   parts = config.algo.minibatches * config.algo.microbatches
   if rows % (parts * shards):
     raise ValueError(
@@ -113,8 +108,8 @@ def check_batch_layout(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
 def row_multiple(config: ml_collections.ConfigDict, mesh: Mesh) -> int:
   """What the update's row count must be a multiple of: minibatches x microbatches x
   data-parallel devices (per-turn rows are padded to one)."""
-  shards = int(np.prod([mesh.shape[a] for a in sharding_lib.BATCH_AXES if a in mesh.shape]))
-  return config.algo.minibatches * config.algo.microbatches * shards
+  return (config.algo.minibatches * config.algo.microbatches
+          * sharding_lib.data_parallel_size(mesh))
 
 
 def layouts(rows: window.TurnRows | None, put: Callable, shape: tuple[int, int]
@@ -320,7 +315,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         task_ids = stream.take(cursor, config.data.batch_tasks)
         cursor += config.data.batch_tasks
         mine = share.rows(rows)  # this process's rows of the batch (None: all of them)
-        rollout_key = _step_key(state, step, ROLLOUT_STREAM)
+        rollout_key = state_lib.step_key(jax.device_get(state.rng), step, ROLLOUT_STREAM)
         replay = provenance.step_provenance(
             config, step + 1, task_ids, rollout_key, max_turns,
             provenance.policy_checksum(state.policy), mesh.size) if saving else None

@@ -46,6 +46,12 @@ class TrainState:
   critic_opt_state: optax.OptState | None = None
 
 
+def step_key(rng: jax.Array, step: jax.Array | int, stream: int) -> jax.Array:
+  """The key of stream `stream` (rollout, update, ...) at trainer step `step`, from the
+  state's raw key data `rng`: fold_in(fold_in(key, step), stream), inside jit or out."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(rng), step), stream)
+
+
 def split_params(module: nnx.Module) -> tuple[nnx.GraphDef, Params]:
   """(graphdef, parameters as a plain dict); fails if the module holds non-parameter state."""
   graphdef, params = nnx.split(module, nnx.Param)

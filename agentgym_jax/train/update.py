@@ -44,7 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import losses
 from agentgym_jax.rl.algorithm import AlgorithmSpec
-from agentgym_jax.train.state import Optimizers, Params, TrainState
+from agentgym_jax.train.state import Optimizers, Params, TrainState, step_key
 
 # Stream ids folded into the step key, so rollout, update and evaluation never share numbers.
 UPDATE_STREAM = 1
@@ -444,8 +444,7 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
 
   def update(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
     num_rows = batch["tokens"].shape[0]
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
-    key = jax.random.fold_in(key, UPDATE_STREAM)
+    key = step_key(state.rng, state.step, UPDATE_STREAM)
     orders = jnp.stack([jax.random.permutation(jax.random.fold_in(key, epoch), num_rows)
                         for epoch in range(cfg.epochs)])
     orders = orders.reshape(cfg.updates_per_step, num_rows // cfg.minibatches)
