@@ -193,3 +193,18 @@ def _leaves(config, prefix=""):
       yield from _leaves(value, f"{prefix}{key}.")
     else:
       yield f"{prefix}{key}"
+
+
+@pytest.mark.parametrize("env, slice_, microbatches, tensor", [
+    ("searchqa", "v5e-16", 2, 1),  # 32 rows per minibatch: 2 micro-batches of one row a chip
+    ("searchqa", "v4-32", 2, 1),  # 16 chips too
+    ("searchqa", "v5e-64", 1, 2),  # 32 rows on 64 chips: each row's heads over 2
+    ("textcraft", "v5e-64", 1, 1),  # 64 rows per minibatch
+    ("webarena", "v5p-128", 1, 4)])  # 16 rows on 64 chips
+def test_paper_configs_size_micro_batches_and_mesh_for_their_slice(env, slice_, microbatches,
+                                                                    tensor):
+  config = load(f"experiments/agentgym_rl/{env}.py").get_config(f"model=7b,slice={slice_}")
+  assert config.algo.microbatches == microbatches
+  assert dict(config.mesh) == {"data": 1, "fsdp": -1, "tensor": tensor}
+  with pytest.raises(ValueError, match="v5e-16"):
+    load(f"experiments/agentgym_rl/{env}.py").get_config("slice=v5e16")
