@@ -89,8 +89,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.total_steps = 0
   elif args.stage == "bc":
     c.mode = "bc"
-    # 32 clean demonstrations (the expert's first 32 train tasks), 4 per step, 8 steps: each
-    # seen once. One row's update costs ~10 s on 2 cores (~50 tokens/s), so BC is kept short.
+    # 32 clean demonstrations (the expert's first 32 train tasks; 46 turns), 4 per step, 8
+    # steps: each seen once. One row's update costs ~10 s on 2 cores (~50 tokens/s), so BC is kept short.
     c.bc.num_tasks = 32
     c.data.batch_tasks, c.data.group_size = 4, 1
     c.algo.microbatches = 4

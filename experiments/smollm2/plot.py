@@ -5,8 +5,9 @@ r"""Tables, curves and a metrics summary of the SmolLM2 study from its runs' fil
 reads ROOT/<run>/metrics.jsonl of the runs that exist (bc, grpo, ...; any directory with a
 metrics.jsonl) and every `evaluate` report ROOT/<run>/<name>/eval_test.json (and
 ROOT/zero_shot/eval_test.json), then writes
-  babyai_curves.png   held-out greedy success per step (in-loop, and <run>/eval_greedy) (BC steps, then RL steps after BC's
-                      last), training success, KL to the starting checkpoint, step wall time;
+  babyai_curves.png   held-out greedy success per step (in-loop, and <run>/eval_greedy; BC
+                      steps, then RL steps after BC's last), training success, KL to the
+                      starting checkpoint, step wall time;
   summary.json        per run: every step's main metrics, every evaluation's Overall numbers;
 and prints the README's markdown tables. Helpers shared with experiments/tiny/plot.py are
 imported from there.
