@@ -70,11 +70,14 @@ def test_a_tiny_models_whole_step_compiles_for_v5e_16_within_a_minute():
 def test_a_step_too_big_for_the_slice_exits_1_naming_the_program_and_bytes():
   # A 4-GiB embedding table replicated on every chip (pure data parallelism) over a v5e's
   # 15.75 GiB: the train state alone (params, reference, two Adam moments) cannot fit.
+  # The scorer alone (a forward): the resident state already does not fit.
   result = _plan("--topology=v5e-16", "--config=" + TINY[0], *TINY[1:],
                  "--config.model.arch.hidden_size=4096", "--config.model.arch.vocab_size=262144",
-                 "--config.model.arch.num_heads=32", "--config.model.arch.head_dim=128")
+                 "--config.model.arch.num_heads=32", "--config.model.arch.head_dim=128",
+                 "--only=score_logprobs")
   assert result.returncode == 1, result.stdout + result.stderr[-2000:]
   [fatal] = [l for l in result.stderr.splitlines() if l.startswith("FATAL")]
+  assert fatal.startswith("FATAL: score_logprobs needs "), fatal
   assert "GiB per chip on v5e-16" in fatal and "15.75 GiB usable" in fatal, fatal
 
 
