@@ -45,9 +45,10 @@ def test_missing_init_checkpoint_stops_at_start_naming_it(tmp_path):
   result = run_cli("agentgym_jax.train", [
       f"--config={CONFIG}:stage=rl,init={missing},runlocal", f"--workdir={tmp_path / 'rl'}"],
       str(tmp_path / "cache"), timeout=600)
-  assert result.returncode != 0
+  assert result.returncode == 1
   last = result.stderr.strip().splitlines()[-1]
-  assert missing in last and "init_from" in last, last
+  assert last.startswith("FATAL: init_from=") and missing in last, last
+  assert "Traceback" not in result.stderr, result.stderr[-2000:]  # one line, not a traceback
 
 
 # The shortened RL stage: the committed BC stage, then GRPO with the committed RL recipe for

@@ -67,7 +67,7 @@ def main(argv: list[str]) -> None:
   from agentgym_jax.train import loop  # pylint: disable=import-outside-toplevel
   try:
     loop.train(config, workdir)
-  except loop.EnvironmentFailing as exc:
+  except (loop.EnvironmentFailing, loop.sources.InitFromError) as exc:
     cli.fatal(str(exc))
   except Exception:
     if multi_process:

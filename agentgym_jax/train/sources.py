@@ -145,18 +145,22 @@ def build_policy(config: ml_collections.ConfigDict, tok: ChatTokenizer, mesh: Me
   return _with_settings(model, run_settings(config))
 
 
+class InitFromError(ValueError):
+  """`init_from` names no checkpoint, or one of another model; the message is one line."""
+
+
 def _load_init_from(model: Decoder, workdir: str) -> None:
   """Replaces `model`'s weights with the policy of `workdir`'s newest checkpoint, in place.
 
   Raises:
-    ValueError: no checkpoint there, or one of another model shape (both shapes named).
+    InitFromError: no checkpoint there, or one of another model shape (both shapes named).
   """
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                         nnx.state(model, nnx.Param).to_pure_dict())
   try:
     params, _ = checkpoints.restore_policy(workdir, target)
   except (FileNotFoundError, ValueError) as exc:
-    raise ValueError(f"init_from={workdir!r}: {exc}.") from exc
+    raise InitFromError(f"init_from={workdir!r}: {exc}.") from exc
   nnx.update(model, params)
 
 
