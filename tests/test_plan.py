@@ -1,6 +1,7 @@
 """The TPU plan: slice names, one host's mesh, a whole step compiled for a TPU slice (libtpu,
 ahead of time, on this CPU host), and the one line of a program that does not fit."""
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -82,7 +83,11 @@ def test_a_step_too_big_for_the_slice_exits_1_naming_the_program_and_bytes():
 
 
 def test_the_papers_models_are_known_without_their_checkpoints():
-  from experiments.agentgym_rl import searchqa  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, ROOT)  # experiment files import `experiments.agentgym_rl.common`
+  spec = importlib.util.spec_from_file_location(
+      "searchqa_for_plan", os.path.join(ROOT, "experiments/agentgym_rl/searchqa.py"))
+  searchqa = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(searchqa)
   for model, layers in (("7b", 28), ("3b", 36)):
     cfg = plan.model_config(searchqa.get_config(f"model={model}"))
     assert cfg.num_layers == layers
