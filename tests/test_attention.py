@@ -11,8 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import tpu_slices
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from agentgym_jax import sharding
 from agentgym_jax.models import Decoder, KVCache, ModelConfig, attention as attn
@@ -158,11 +160,7 @@ def test_decoder_with_pallas_matches_xla():
 
 
 def _tpu_devices():
-  topologies = pytest.importorskip("jax.experimental.topologies")
-  pytest.importorskip("libtpu")
-  return topologies.get_topology_desc(
-      platform="tpu", topology_name="v5e:2x2", chip_config_name="default",
-      chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
+  return tpu_slices.devices("v5e-4")  # one v5e host, 2x2 chips
 
 
 def compile_attention_for_tpu(impl: str, devices, b: int, t: int, kh: int, g: int, dh: int,

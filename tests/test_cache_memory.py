@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import tpu_slices
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -56,11 +58,7 @@ def test_cpu_decode_updates_the_cache_in_place():
 
 
 def _tpu_devices():
-  topologies = pytest.importorskip("jax.experimental.topologies")
-  pytest.importorskip("libtpu")
-  return topologies.get_topology_desc(
-      platform="tpu", topology_name="v5e:2x2", chip_config_name="default",
-      chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
+  return tpu_slices.devices("v5e-4")  # one v5e host, 2x2 chips
 
 
 def test_tpu_decode_updates_the_cache_in_place():

@@ -8,10 +8,15 @@ import sys
 import time
 
 import pytest
+import tpu_slices
 
 from agentgym_jax import plan, sharding
 
-libtpu = pytest.importorskip("libtpu", reason="the plan compiles with libtpu: pip install -e '.[tpu]'")
+
+
+@pytest.fixture(autouse=True)
+def _libtpu():
+  tpu_slices.require_libtpu()  # the plan compiles with libtpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A tiny random model on the paper's SearchQA layout, shrunk: 16 rows, one per v5e-16 chip.

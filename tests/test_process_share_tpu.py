@@ -9,7 +9,6 @@ compiled for its TPU (a compile for a subset of a slice's devices fails inside l
 the whole slice's mesh).
 """
 
-import importlib.util
 import os
 
 import pytest
@@ -17,24 +16,16 @@ import pytest
 # Two test processes (pytest-xdist) may load libtpu at once.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-if importlib.util.find_spec("libtpu") is None:
-  if os.environ.get("CI"):
-    pytest.fail("libtpu is not installed, so the TPU slices' device orders cannot be tested; "
-                ".ci/run installs it (pip install -e '.[tpu]').", pytrace=False)
-  pytest.skip("libtpu is not installed (pip install -e '.[tpu]'): no TPU topologies.",
-              allow_module_level=True)
-
 # pylint: disable=wrong-import-position
 import jax
+import tpu_slices
 import numpy as np
-from jax.experimental import topologies
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import multihost, sharding
 
-# name: (libtpu topology, chip config); every host holds 2x2 chips.
-SLICES = {"v5e-16": ("v5e:4x4", "default"), "v4-32": ("v4:2x2x4", "megacore"),
-          "v5e-64": ("v5e:8x8", "default"), "v5p-128": ("v5p:4x4x4", "megacore")}
+# Every host holds 2x2 chips (agentgym_jax/tpus.py).
+SLICES = ("v5e-16", "v4-32", "v5e-64", "v5p-128")
 PAPER = (("data", 1), ("fsdp", -1), ("tensor", 1))  # experiments/agentgym_rl/common.py
 DATA = (("data", -1), ("fsdp", 1), ("tensor", 1))
 # tensor=2 lies within a host where jax.make_mesh can lay it; data=2 splits the batch over
@@ -48,10 +39,7 @@ ROWS = 256
 
 
 def _devices(name: str) -> list:
-  topology, chips = SLICES[name]
-  return topologies.get_topology_desc(
-      platform="tpu", topology_name=topology, chip_config_name=chips,
-      chips_per_host_bounds=(2, 2, 1), num_slices=1).devices
+  return tpu_slices.devices(name)
 
 
 def _shares(mesh: Mesh) -> list[multihost.ProcessShare]:
