@@ -1,15 +1,15 @@
 """Rollout: jitted sampler, multi-turn episode runner, Trajectory batch, and `envs`, the one
 module that meets the environments (pools, task splits, expert play, all from `config.env`).
 
-    traj, stats = run_episodes(graphdef, state, tok, pool, task_ids, group_size=n,
-                               max_turns=..., sampling=SamplingConfig(...), max_context=...,
-                               rng=key)
+    settings = RolloutSettings.from_config(config)   # or RolloutSettings(group_size=n, ...)
+    traj, stats = run_episodes((graphdef, state), tok, pool, task_ids, settings, rng=key)
 """
 
 from agentgym_jax.rollout import envs
 from agentgym_jax.rollout.episodes import run_episodes
 from agentgym_jax.rollout.sampler import SamplingConfig
+from agentgym_jax.rollout.settings import RolloutSettings
 from agentgym_jax.rollout.trajectory import Trajectory, build_trajectory, save_jsonl
 
-__all__ = ["SamplingConfig", "Trajectory", "build_trajectory", "envs", "run_episodes",
-           "save_jsonl"]
+__all__ = ["RolloutSettings", "SamplingConfig", "Trajectory", "build_trajectory", "envs",
+           "run_episodes", "save_jsonl"]

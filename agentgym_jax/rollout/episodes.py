@@ -70,7 +70,7 @@ from jax.sharding import Mesh
 from agentgym_jax import sharding
 from agentgym_jax.rollout import window
 from agentgym_jax.rollout.batch import DecodeBatch, replica_meshes, state_on
-from agentgym_jax.rollout.sampler import SamplingConfig
+from agentgym_jax.rollout.settings import RolloutSettings
 from agentgym_jax.rollout.trajectory import Episode, Trajectory, anchor_id, build_trajectory
 from agentgym_jax.tokenization import ChatTokenizer
 
@@ -125,13 +125,9 @@ class _Episodes:
   """The host side of a rollout: each episode's record, where its cache row stands, and the
   rules that end it. Both schedules drive the batches through these methods."""
 
-  def __init__(self, episodes: list[Episode], tok: ChatTokenizer, sampling: SamplingConfig,
-               max_turns: int, max_context: int, max_chunk: int, history_turns: int,
-               invalid_action_reward: float):
-    self.episodes, self.tok, self.sampling = episodes, tok, sampling
-    self.max_turns, self.max_context, self.max_chunk = max_turns, max_context, max_chunk
-    self.history_turns, self.invalid_action_reward = history_turns, invalid_action_reward
-    self.cap = sampling.max_reply_tokens
+  def __init__(self, episodes: list[Episode], tok: ChatTokenizer, settings: RolloutSettings):
+    self.episodes, self.tok, self.settings = episodes, tok, settings
+    self.cap = settings.sampling.max_reply_tokens
     self.end_ids = tuple(tok.end_of_turn_ids)
     num = len(episodes)
     self.running = np.zeros(num, bool)
@@ -152,7 +148,7 @@ class _Episodes:
       e.fail(out.info)
     elif out.terminated or out.truncated:
       e.finish("terminated", terminated=out.terminated, truncated=out.truncated)
-    elif len(e.tokens) + self.cap > self.max_context:
+    elif len(e.tokens) + self.cap > self.settings.max_context:
       e.finish("context", truncated=True)
     else:
       self.running[index] = True
@@ -167,10 +163,11 @@ class _Episodes:
     for row in np.flatnonzero(starting):
       ep = row_eps[row]
       keep[row], chunks[row], self.window_start[ep] = _next_chunk(
-          self.episodes[ep], self.in_cache[ep], self.window_start[ep], self.history_turns)
+          self.episodes[ep], self.in_cache[ep], self.window_start[ep],
+          self.settings.history_turns)
     if (keep < held).any():
       batch.rewind(keep < held, keep)
-    batch.extend(chunks, keep, self.max_chunk, self.tok.pad_id)
+    batch.extend(chunks, keep, self.settings.max_chunk, self.tok.pad_id)
     for row in np.flatnonzero(starting):
       self.in_cache[row_eps[row]] = keep[row] + len(chunks[row])
     turn_numbers = np.asarray([self.episodes[ep].num_turns if ep >= 0 else 0
@@ -180,7 +177,7 @@ class _Episodes:
   def decode(self, batch: DecodeBatch, sampling_rows: np.ndarray) -> None:
     """Dispatches the turns of rows `sampling_rows` [rows] bool."""
     reach = int(self.in_cache[batch.episode_of_row[sampling_rows]].max()) + self.cap
-    batch.decode(reach, self.end_ids, self.sampling)
+    batch.decode(reach, self.end_ids, self.settings.sampling)
 
   def begin_turn(self, batch: DecodeBatch, compact: bool) -> np.ndarray | None:
     """Dispatches the next turn of every live row of `batch`, halving the batch first while
@@ -220,7 +217,7 @@ class _Episodes:
   def record_step(self, ep: int, out: Any) -> bool:
     """Applies the environment's answer to episode `ep`'s turn; True while it runs on."""
     e = self.episodes[ep]
-    e.record_step(out.reward, out.info, self.invalid_action_reward)
+    e.record_step(out.reward, out.info, self.settings.invalid_action_reward)
     e.messages.append({"role": "user", "content": out.observation})
     e.actions.append(out.info.get("action"))
     if "error" in out.info:
@@ -228,14 +225,15 @@ class _Episodes:
     elif out.terminated or out.truncated:
       e.finish("terminated" if out.terminated else "env_truncated",
                terminated=out.terminated, truncated=out.truncated)
-    elif e.num_turns >= self.max_turns:
+    elif e.num_turns >= self.settings.max_turns:
       e.finish("max_turns", truncated=True)
     else:
       # A reply cut off by the cap is closed with the end-of-turn token it never sampled
       # (loss_mask 0), so the next turn sees a well-formed conversation.
       chunk = (([self.tok.end_of_turn_ids[0]] if self.ended_on_cap[ep] else [])
                + self.tok.encode_observation(out.observation))
-      if _next_context_length(e, len(chunk), self.history_turns) + self.cap > self.max_context:
+      reach = _next_context_length(e, len(chunk), self.settings.history_turns) + self.cap
+      if reach > self.settings.max_context:
         e.finish("context", truncated=True)
       else:
         e.append(chunk, turn=e.num_turns - 1)
@@ -356,54 +354,30 @@ def _overlapped(host: _Episodes, batches: list[DecodeBatch], pool: Any, compact:
   return env_seconds
 
 
-def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, pool: Any,
-                 task_ids: Sequence[int], group_size: int = 1, max_turns: int = 10,
-                 sampling: SamplingConfig = SamplingConfig(), max_context: int = 4096,
-                 rng: Any = 0, system_prompt: str | None = None, mesh: Mesh | None = None,
-                 acknowledgement: str | None = None, max_chunk: int = 512,
-                 compact: bool = True, grow_cache: bool = True,
-                 replicas: int = 1, rows: Sequence[int] | None = None,
-                 on_ended: Callable[[int], None] | None = None, history_turns: int = 0,
-                 invalid_action_reward: float = 0.0, overlap_env: bool = False
+def run_episodes(policy: tuple[nnx.GraphDef, nnx.State], tok: ChatTokenizer, pool: Any,
+                 task_ids: Sequence[int], settings: RolloutSettings, *, rng: Any = 0,
+                 mesh: Mesh | None = None, rows: Sequence[int] | None = None,
+                 on_ended: Callable[[int], None] | None = None
                  ) -> tuple[Trajectory, dict[str, Any]]:
-  """Runs len(task_ids) * group_size episodes to the end and returns them as a Trajectory.
+  """Runs len(task_ids) * settings.group_size episodes to the end; returns them as a Trajectory.
 
   Args:
-    graphdef, state: `nnx.split(decoder)` (state may be sharded on `mesh`).
+    policy: `nnx.split(decoder)`, (graphdef, state); the state may be sharded on `mesh`.
     tok: the ChatTokenizer of the model.
     pool: an `environments.workers.EnvPool`, or anything with its `reset(task_ids)` /
       `step(slots, responses)` interface returning outcomes with observation, reward,
       terminated, truncated, info (and `submit` / `collect` for `overlap_env`; without them
       a submitted step runs when it is collected). Slots 0..B-1 are (re)started here.
-    task_ids: tasks; each runs `group_size` times (rows i*n .. i*n+n-1 share group_id i).
-    max_turns: agent turns per episode at most (the horizon).
-    sampling: temperature / top-p / top-k / per-turn token cap.
-    max_context: tokens per episode at most; a turn starts only if its reply fits.
+    task_ids: tasks; each runs `settings.group_size` times.
+    settings: sampling, group size, turn and context limits and the rest
+      (rollout/settings.py).
     rng: PRNG key (typed or raw) or int seed.
-    system_prompt: system message; None leaves it to the chat template (Qwen2.5 then inserts
-      its default system line).
     mesh: shard the batch over its (data, fsdp) axes.
-    acknowledgement: the agent's canned reply to the instruction; default: the environment's
-      (`info["acknowledgement"]`, else the pool's env class attribute, else AgentGym's).
-    max_chunk: most tokens of a chunk appended in one extend call (longer ones are split).
-    compact: shrink the batch when at most half the rows are still running.
-    grow_cache: start the KV cache at 256 slots and grow it by 1.5x or 2x as rows need
-      (fastest: a decode step reads the whole cache); False allocates `max_context` slots at
-      once (one cache length, so fewer compilations, e.g. where compiling is slow). The
-      cache takes the model's dtype (`ModelConfig.dtype`).
-    replicas: independent batches the episodes are split into, each on its own slice of the
-      mesh's data axis (without a mesh: one local device each); see the module docstring.
     rows: which of the len(task_ids) * group_size episodes to run, in order (default all); the
       trajectory then holds these rows only, with their group ids and random keys of the whole
       batch.
     on_ended: called after the openings and whenever episodes end, with their number (e.g. a
       progress bar's `update`).
-    history_turns: k, the turns a turn's context keeps after the opening (rollout/window.py);
-      0 keeps them all. The trajectory still holds each episode whole.
-    invalid_action_reward: added to the reward of each turn whose action the environment
-      refused (`info["invalid_action"]`); success and score are the environment's.
-    overlap_env: two cohorts per replica take turns, one decoding while the other's
-      environments step (see the module docstring); False runs every turn in lock-step.
 
   Returns:
     The Trajectory [B, L] (B = len(task_ids) * group_size) and stats: rollout throughput,
@@ -411,52 +385,50 @@ def run_episodes(graphdef: nnx.GraphDef, state: nnx.State, tok: ChatTokenizer, p
     time of each lock-step turn; empty when overlapped) and "episodes" (the host-side
     `Episode` records, with stop reasons and the conversation as text).
   """
-  if group_size < 1 or max_turns < 1:
-    raise ValueError(f"group_size and max_turns must be >= 1, got {group_size}, {max_turns}.")
-  if history_turns < 0:
-    raise ValueError(f"history_turns must be >= 0 (0 keeps every turn), got {history_turns}.")
+  graphdef, state = policy
+  s = settings
   start = time.perf_counter()
   key = _as_key(rng)
   episodes = [Episode(task_id=int(t), group_id=g)
-              for g, t in enumerate(task_ids) for _ in range(group_size)]
+              for g, t in enumerate(task_ids) for _ in range(s.group_size)]
   total = len(episodes)
   rows = np.arange(total) if rows is None else np.asarray(rows, np.int64)
   if rows.size and (rows.min() < 0 or rows.max() >= total):
-    raise ValueError(f"rows must lie in [0, {total}) for {len(task_ids)} tasks x {group_size} "
-                     f"samples, got {rows.min()}..{rows.max()}.")
+    raise ValueError(f"rows must lie in [0, {total}) for {len(task_ids)} tasks x "
+                     f"{s.group_size} samples, got {rows.min()}..{rows.max()}.")
   episodes = [episodes[r] for r in rows]
   num = len(episodes)
   if num == 0:
     raise ValueError("run_episodes needs at least one task id (and one row).")
+  acknowledgement = s.acknowledgement
   if acknowledgement is None:
     acknowledgement = getattr(getattr(pool, "env_cls", None), "acknowledgement",
                               DEFAULT_ACKNOWLEDGEMENT)
-  host = _Episodes(episodes, tok, sampling, max_turns, max_context, max_chunk, history_turns,
-                   invalid_action_reward)
+  host = _Episodes(episodes, tok, s)
   for i, out in enumerate(pool.reset([e.task_id for e in episodes])):
-    host.open(i, out, system_prompt, acknowledgement)
+    host.open(i, out, s.system_prompt, acknowledgement)
   if on_ended is not None:
     on_ended(num - int(host.running.sum()))
 
-  limit = -(-max_context // 128) * 128
+  limit = -(-s.max_context // 128) * 128
   episode_keys = jax.random.split(key, total)[rows]
   batches = []
-  for replica_mesh, members in zip(replica_meshes(mesh, replicas),
-                                   np.array_split(np.arange(num), replicas)):
-    replica_state = state if replicas == 1 else state_on(state, replica_mesh)
+  for replica_mesh, members in zip(replica_meshes(mesh, s.replicas),
+                                   np.array_split(np.arange(num), s.replicas)):
+    replica_state = state if s.replicas == 1 else state_on(state, replica_mesh)
     shards = sharding.data_parallel_size(replica_mesh)
-    for cohort in np.array_split(members, 2 if overlap_env else 1):
+    for cohort in np.array_split(members, 2 if s.overlap_env else 1):
       if len(cohort) == 0:
         continue
       batch = DecodeBatch(graphdef, replica_state, -(-len(cohort) // shards) * shards, limit,
-                          grow_cache, replica_mesh, sampling.max_reply_tokens)
+                          s.grow_cache, replica_mesh, s.sampling.max_reply_tokens)
       batch.assign(cohort, episode_keys)
       batches.append(batch)
 
-  if overlap_env:
-    turn_seconds, env_seconds = [], _overlapped(host, batches, pool, compact, on_ended)
+  if s.overlap_env:
+    turn_seconds, env_seconds = [], _overlapped(host, batches, pool, s.compact, on_ended)
   else:
-    turn_seconds, env_seconds = _lockstep(host, batches, pool, compact, on_ended)
+    turn_seconds, env_seconds = _lockstep(host, batches, pool, s.compact, on_ended)
 
   traj = build_trajectory(episodes, tok.pad_id)
   # Outcome statistics of the episodes come from `train.metrics.episode_metrics`.

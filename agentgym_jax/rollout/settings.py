@@ -1,0 +1,83 @@
+"""How episodes are rolled out, as one object: `RolloutSettings`, built once from the config.
+
+Training, evaluation and replay all sample through `run_episodes(policy, tok, pool, task_ids,
+settings, rng=...)`; each builds its settings with `RolloutSettings.from_config(config)` and
+changes what differs for it with `dataclasses.replace` (the trainer: the turn limit of the
+step's ScalingInter phase; evaluation: its temperature, reply cap, samples per task and turn
+limit), so a replay samples exactly as the run did and an evaluation as the run's rollouts do
+in everything it does not set itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from agentgym_jax.rl import schedule
+from agentgym_jax.rollout.sampler import SamplingConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+  """Everything about a rollout but the policy, the environments and the tasks.
+
+  Attributes:
+    sampling: temperature / top-p / top-k / per-turn token cap.
+    group_size: episodes per task (rows i*n .. i*n+n-1 share group id i).
+    max_turns: agent turns per episode at most (the horizon).
+    max_context: tokens per episode at most; a turn starts only if its reply fits.
+    system_prompt: system message; None leaves it to the chat template (Qwen2.5 then inserts
+      its default system line).
+    replicas: independent batches the episodes are split into, each on its own slice of the
+      mesh's data axis (rollout/episodes.py).
+    history_turns: k, the turns a turn's context keeps after the opening (rollout/window.py);
+      0 keeps them all. The trajectory still holds each episode whole.
+    overlap_env: two cohorts per replica take turns, one decoding while the other's
+      environments step; False runs every turn in lock-step.
+    invalid_action_reward: added to the reward of each turn whose action the environment
+      refused (`info["invalid_action"]`); success and score are the environment's.
+    acknowledgement: the agent's canned reply to the instruction; None: the environment's
+      (`info["acknowledgement"]`, else the pool's env class attribute, else AgentGym's).
+    max_chunk: most tokens of a chunk appended in one extend call (longer ones are split).
+    compact: shrink the batch when at most half the rows are still running.
+    grow_cache: start the KV cache small and grow it as rows need (a decode step reads the
+      whole cache); False allocates `max_context` slots at once (one cache length, so fewer
+      compilations, e.g. where compiling is slow).
+  """
+
+  sampling: SamplingConfig = SamplingConfig()
+  group_size: int = 1
+  max_turns: int = 10
+  max_context: int = 4096
+  system_prompt: str | None = None
+  replicas: int = 1
+  history_turns: int = 0
+  overlap_env: bool = False
+  invalid_action_reward: float = 0.0
+  acknowledgement: str | None = None
+  max_chunk: int = 512
+  compact: bool = True
+  grow_cache: bool = True
+
+  def __post_init__(self):
+    if self.group_size < 1 or self.max_turns < 1:
+      raise ValueError(f"group_size and max_turns must be >= 1, got {self.group_size}, "
+                       f"{self.max_turns}.")
+    if self.history_turns < 0:
+      raise ValueError(f"history_turns must be >= 0 (0 keeps every turn), got "
+                       f"{self.history_turns}.")
+
+  @classmethod
+  def from_config(cls, config: Any) -> "RolloutSettings":
+    """The training rollouts' settings: `config.rollout`, `data.group_size`, the system prompt
+    and invalid-action reward of `config.env`, and the turn limit of the schedule's first
+    phase (the trainer replaces it with each step's)."""
+    rollout = config.rollout
+    return cls(
+        sampling=SamplingConfig(temperature=rollout.temperature, top_p=rollout.top_p,
+                                top_k=rollout.top_k, max_reply_tokens=rollout.max_reply_tokens),
+        group_size=config.data.group_size, max_turns=schedule.max_turns(config.schedule, 0),
+        max_context=rollout.max_context, system_prompt=config.env.system_prompt or None,
+        replicas=rollout.replicas, history_turns=rollout.history_turns,
+        overlap_env=rollout.overlap_env,
+        invalid_action_reward=config.env.invalid_action_reward)
