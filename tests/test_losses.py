@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from agentgym_jax.rl import losses
+from agentgym_jax.rl.logprobs import token_logprobs_and_entropy
 from agentgym_jax.rl.losses import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES
 
 
@@ -77,7 +78,6 @@ def test_value_loss_golden():
 def _entropy(logits):
   """The entropy the update trains with, of the distribution at each position: [B, L, V] ->
   [B, L - 1] (the last position predicts no token of the row)."""
-  from agentgym_jax.train.update import token_logprobs_and_entropy  # pylint: disable=import-outside-toplevel
   tokens = jnp.zeros(logits.shape[:2], jnp.int32)
   return jax.jit(token_logprobs_and_entropy)(jnp.asarray(logits), tokens)[1][:, 1:]
 

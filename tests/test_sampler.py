@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from agentgym_jax.models import Decoder, KVCache, ModelConfig
+from agentgym_jax.rl.logprobs import token_logprobs
 from agentgym_jax.rollout import sampler
 from agentgym_jax.rollout.batch import DecodeBatch
 from agentgym_jax.rollout.sampler import SamplingConfig
@@ -84,7 +85,7 @@ def test_sampling_logprobs_golden_top_k_and_top_p():
                              np.log(root / root.sum()), rtol=1e-6)
   for cfg in (SamplingConfig(top_k=2), SamplingConfig(top_p=0.5)):
     assert (lp(cfg)[2:] < -1e29).all()  # filtered tokens: no mass
-  # Off: the full softmax at T, what the trainer scores (train.update.token_logprobs).
+  # Off: the full softmax at T, what the trainer scores (rl.logprobs.token_logprobs).
   np.testing.assert_allclose(lp(SamplingConfig()), np.log(PROBS), rtol=1e-6)
 
 
@@ -92,7 +93,6 @@ def test_filtered_logprobs_differ_from_trainers_by_the_kept_mass():
   """The correction the sampler docstring describes: for a sampled token the trainer's
   full-softmax log-prob minus the sampler's is log Z, Z the kept mass, so the truncated
   importance weight exp(logp_update - logp_rollout) is p / q = Z; without filtering it is 1."""
-  from agentgym_jax.train.update import token_logprobs  # pylint: disable=import-outside-toplevel
   n = 64
   logits = jax.random.normal(jax.random.key(3), (n, VOCAB)) * 2
   for cfg, kept_mass in ((SamplingConfig(top_k=2), None), (SamplingConfig(top_p=0.6), None),

@@ -10,6 +10,7 @@ from flax import nnx
 
 from agentgym_jax import sharding
 from agentgym_jax.models import Decoder, ModelConfig, ValueModel
+from agentgym_jax.rl import logprobs as logprobs_lib
 from agentgym_jax.rl import losses
 from agentgym_jax.train import config as base
 from agentgym_jax.train import state as state_lib
@@ -76,8 +77,8 @@ def test_token_logprobs_and_entropy_sit_on_the_scored_token():
   logits = jnp.asarray(rng.normal(size=(2, 5, 7)), jnp.float32)
   tokens = jnp.asarray(rng.integers(0, 7, (2, 5)), jnp.int32)
   temperature = 0.7
-  got = update_lib.token_logprobs(logits, tokens, temperature)
-  both, got_entropy = update_lib.token_logprobs_and_entropy(logits, tokens, temperature)
+  got = logprobs_lib.token_logprobs(logits, tokens, temperature)
+  both, got_entropy = logprobs_lib.token_logprobs_and_entropy(logits, tokens, temperature)
   np.testing.assert_allclose(both, got, atol=1e-6)
   log_p = np.asarray(jax.nn.log_softmax(np.asarray(logits) / temperature, axis=-1))
   for b in range(2):
@@ -101,10 +102,10 @@ def test_blocked_lm_head_gives_the_same_logprobs_entropy_and_gradient(monkeypatc
     return jnp.sum(logp * batch["advantages"]) + jnp.sum(entropy), (logp, entropy)
 
   (_, want), want_grads = jax.value_and_grad(loss, has_aux=True)(params)
-  plain = update_lib.token_logprobs_and_entropy(nnx.merge(graphdef, params)(tokens, valid),
+  plain = logprobs_lib.token_logprobs_and_entropy(nnx.merge(graphdef, params)(tokens, valid),
                                                 tokens, 0.7)
   np.testing.assert_allclose(want[0], plain[0], atol=1e-5)
-  monkeypatch.setattr(update_lib, "_LOGIT_BLOCK", block)
+  monkeypatch.setattr(logprobs_lib, "_LOGIT_BLOCK", block)
   (_, got), got_grads = jax.value_and_grad(loss, has_aux=True)(params)
   for a, b in zip(got + tuple(jax.tree.leaves(got_grads)),
                   want + tuple(jax.tree.leaves(want_grads))):
@@ -119,7 +120,7 @@ def test_token_logprobs_and_entropy_gradient_is_autodiff_of_log_softmax():
   w_logp, w_entropy = (jnp.asarray(rng.normal(size=(2, 5)), jnp.float32) for _ in range(2))
 
   def ours(x):  # [B, L - 1] scores of tokens 1..L-1
-    logp, entropy = update_lib.token_logprobs_and_entropy(x, tokens, 0.7)
+    logp, entropy = logprobs_lib.token_logprobs_and_entropy(x, tokens, 0.7)
     return logp[:, 1:], entropy[:, 1:]
 
   def reference(x):

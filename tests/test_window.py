@@ -12,6 +12,7 @@ from flax import nnx
 
 from agentgym_jax.models import Decoder, ModelConfig
 from agentgym_jax.rl import advantages
+from agentgym_jax.rl import logprobs as logprobs_lib
 from agentgym_jax.rl.algorithm import AlgorithmSpec
 from agentgym_jax.rollout import SamplingConfig, run_episodes, window
 from agentgym_jax.rollout import batch as batch_lib
@@ -149,7 +150,7 @@ def test_turn_rows_recompute_the_sampler_log_probs(tok, model):
   assert np.asarray(rows.loss_mask).sum() == np.asarray(traj.loss_mask).sum()
   graphdef, state = nnx.split(model)
   logits = nnx.merge(graphdef, state)(rows.tokens, rows.valid)
-  logp = np.asarray(update_lib.token_logprobs(logits, rows.tokens))
+  logp = np.asarray(logprobs_lib.token_logprobs(logits, rows.tokens))
   mask = np.asarray(rows.loss_mask)
   np.testing.assert_allclose(logp[mask], rows.sample_logprobs[mask], atol=1e-4)
   # Padding rows hold nothing and score finitely.
@@ -192,7 +193,7 @@ def _layout_loss(model, moved, traj, rows, loss_agg_mode):
   `moved` on the packed rows (`rows` None) or on the per-turn rows, as the trainer builds it."""
   graphdef, sampling_params = nnx.split(model)
   trained = traj if rows is None else rows
-  old = update_lib.token_logprobs(nnx.merge(graphdef, sampling_params)(
+  old = logprobs_lib.token_logprobs(nnx.merge(graphdef, sampling_params)(
       trained.tokens, trained.valid), trained.tokens)
   old_packed = old if rows is None else window.to_packed(old, rows.episode, rows.source,
                                                          traj.tokens.shape)

@@ -5,7 +5,7 @@ A loss is built in two steps, so that splitting a mini-batch into micro-batches 
 1. Token terms, each [B, L] and 0 where mask is 0: `POLICY_LOSSES[name](...)` (PPO clip, or
    the cross-entropy of behaviour cloning),
    `value_loss`, `KL_ESTIMATORS[kind]` / `kl_penalty`; the entropy comes with the log-probs
-   (`train.update.token_logprobs_and_entropy`). The trainer combines them, e.g.
+   (`rl.logprobs.token_logprobs_and_entropy`). The trainer combines them, e.g.
    `pg + kl_coef * kl - entropy_coef * entropy`.
 2. `aggregate(loss_mat, mask, mode, denominator)`, with the denominator computed ONCE over the
    whole mini-batch by `aggregation_denominator(mask, mode)`. Every mode is a sum over rows of a

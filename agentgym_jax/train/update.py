@@ -19,10 +19,9 @@ replaces the surrogate with the cross-entropy -logπ of the demonstrated tokens 
 `value_coef · ½ max((V - R)², (clip(V, V_old ± c) - R)²)` trains the value model with its own
 optimizer in the same minibatch loop.
 
-Alignment: logits at position t predict token t + 1, so log-probabilities, entropies and values
-are shifted to sit on the token they score: `logprobs[:, t] = log π(tokens[t] | tokens[<t])`
-and `values[:, t] = V(tokens[<t])`, the value of the state in which token t was chosen (verl's
-convention). Position 0 is never an agent token and gets 0.
+Alignment: log-probabilities and entropies sit on the token they score (`rl.logprobs`), and so
+do values: `values[:, t] = V(tokens[<t])`, the value of the state in which token t was chosen
+(verl's convention). Position 0 is never an agent token and gets 0.
 
 Rows of a micro-batch are strided (micro-batch k holds rows k, k + K, k + 2K, ...), so with the
 row axis split over the data-parallel devices every micro-batch spans all of them.
@@ -42,6 +41,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.rl import logprobs as logprobs_lib
 from agentgym_jax.rl import losses
 from agentgym_jax.rl.algorithm import AlgorithmSpec
 from agentgym_jax.train.state import Optimizers, Params, TrainState, step_key
@@ -129,73 +129,6 @@ class UpdateConfig:
 # ----- token scoring -------------------------------------------------------------------------
 
 
-def _shift_right(x: jax.Array) -> jax.Array:
-  """[B, L-1] scores of tokens 1..L-1 -> [B, L] aligned with the tokens (0 at position 0)."""
-  return jnp.pad(x, ((0, 0), (1, 0)))
-
-
-def token_logprobs(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0
-                   ) -> jax.Array:
-  """log π(tokens[t] | tokens[<t]) at temperature: logits [B, L, V], tokens [B, L] -> [B, L].
-
-  The log-prob half of `token_logprobs_and_entropy` (the unused entropy is compiled away).
-  """
-  return token_logprobs_and_entropy(logits, tokens, temperature)[0]
-
-
-def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0
-                               ) -> tuple[jax.Array, jax.Array]:
-  """`token_logprobs`, and the entropy of the distribution each token was drawn from, in one
-  pass over the logits: [B, L, V] -> two [B, L].
-
-  The loss needs both, and passes over the [B, L, V] logits dominate the memory traffic of a
-  small model's update; so both come from one logsumexp, with a closed-form gradient
-  (`_logprob_entropy`) instead of differentiating a log-softmax, a gather and an entropy pass
-  (with the decoder's float32 changes, a 1.09x faster 3M-model fwd+bwd: `models.decoder`).
-  """
-  logp, entropy = _logprob_entropy(logits[:, :-1], tokens[:, 1:], temperature)
-  return _shift_right(logp), _shift_right(entropy)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _logprob_entropy(logits: jax.Array, tokens: jax.Array, temperature: float
-                     ) -> tuple[jax.Array, jax.Array]:
-  """log p(token) and entropy H of p = softmax(logits / temperature): [..., V], [...] -> [...].
-
-  The model's logits are finite, so 0 · log 0 never arises.
-  """
-  return _logprob_entropy_fwd(logits, tokens, temperature)[0]
-
-
-def _logprob_entropy_fwd(logits, tokens, temperature):
-  x = logits.astype(jnp.float32) / temperature
-  # Shifted by the max (<= 0), so H = log Σ e - Σ e · shifted / Σ e loses no digits to
-  # cancelling two large terms.
-  top = jnp.max(x, axis=-1, keepdims=True)
-  shifted = x - top
-  e = jnp.exp(shifted)
-  total = jnp.sum(e, axis=-1)
-  log_total = jnp.log(total)
-  entropy = log_total - jnp.sum(e * shifted, axis=-1) / total
-  logp = jnp.take_along_axis(shifted, tokens[..., None], axis=-1)[..., 0] - log_total
-  return (logp, entropy), (logits, tokens, top[..., 0] + log_total, entropy)
-
-
-def _logprob_entropy_bwd(temperature, residuals, cotangents):
-  # d logp / dx = onehot - p and dH / dx = -p (log p + H), for x = logits / temperature.
-  logits, tokens, lse, entropy = residuals
-  g_logp, g_entropy = cotangents
-  log_p = logits.astype(jnp.float32) / temperature - lse[..., None]
-  p = jnp.exp(log_p)
-  onehot = tokens[..., None] == jnp.arange(logits.shape[-1])
-  g_x = (g_logp[..., None] * (onehot - p)
-         - g_entropy[..., None] * p * (log_p + entropy[..., None]))
-  return (g_x / temperature).astype(logits.dtype), None
-
-
-_logprob_entropy.defvjp(_logprob_entropy_fwd, _logprob_entropy_bwd)
-
-
 def as_compute(params: Params, dtype: str) -> Params:
   """`params` in the forward's compute dtype: floating arrays cast, so a "bfloat16" forward
   of float32 parameters is mixed precision (upstream verl's FSDP default: bf16 compute,
@@ -207,39 +140,16 @@ def as_compute(params: Params, dtype: str) -> Params:
   return jax.tree.map(cast, params)
 
 
-# Logits of one block of `sequence_logprobs_and_entropy`'s LM head: 2^26 float32 (256 MiB).
-_LOGIT_BLOCK = 1 << 26
-
-
 def sequence_logprobs_and_entropy(model: Any, tokens: jax.Array, valid: jax.Array,
                                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
-  """`token_logprobs_and_entropy` of the decoder `model`'s own logits over tokens [B, L],
-  valid [B, L] -> two [B, L], without the [B, L, V] logits existing at once when they are
-  larger than `_LOGIT_BLOCK` elements.
+  """Log-probs and entropies of tokens [B, L] (valid [B, L]) under the decoder `model`: two
+  [B, L] float32, aligned as `rl.logprobs.token_logprobs_and_entropy`.
 
-  The LM head and the log-softmax then run over blocks of positions in a loop whose body is
-  rematerialised, so the backward pass recomputes one block's logits at a time instead of
-  keeping them all (one 12,288-token row of a 152k vocabulary has 7 GiB of float32 logits).
+  The LM head runs through `rl.logprobs.head_logprobs_and_entropy`, so a long row's logits
+  are made a block of positions at a time.
   """
-  hidden = model.backbone(tokens, valid)[:, :-1]
-  targets = tokens[:, 1:]
-  b, n, d = hidden.shape
-  blocks = -(-(b * n * model.cfg.vocab_size) // _LOGIT_BLOCK)
-  if blocks <= 1:
-    logp, entropy = _logprob_entropy(model.logits_from_hidden(hidden), targets, temperature)
-    return _shift_right(logp), _shift_right(entropy)
-  size = -(-n // blocks)
-  pad = blocks * size - n  # padded positions score token 0 and are cut off below
-  hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, blocks, size, d)
-  targets = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, blocks, size)
-
-  @jax.checkpoint
-  def block(h_t):
-    return _logprob_entropy(model.logits_from_hidden(h_t[0]), h_t[1], temperature)
-
-  logp, entropy = jax.lax.map(block, (hidden.swapaxes(0, 1), targets.swapaxes(0, 1)))
-  unblock = lambda x: x.swapaxes(0, 1).reshape(b, blocks * size)[:, :n]
-  return _shift_right(unblock(logp)), _shift_right(unblock(entropy))
+  return logprobs_lib.head_logprobs_and_entropy(model.backbone(tokens, valid), tokens,
+                                                model.logits_from_hidden, temperature)
 
 
 def split_micro(tree: Any, num: int) -> Any:
@@ -318,7 +228,7 @@ def critic_values(params: Params, graphdef: nnx.GraphDef, tokens: jax.Array, val
                   compute_dtype: str = "float32") -> jax.Array:
   """V(tokens[<t]) aligned with token t: [B, L] -> [B, L] float32 (0 at position 0)."""
   values = nnx.merge(graphdef, as_compute(params, compute_dtype))(tokens, valid)
-  return _shift_right(values[:, :-1])
+  return logprobs_lib.shift_right(values[:, :-1])
 
 
 def critic_loss(params: Params, micro: Batch, denominator: jax.Array, *,
