@@ -390,7 +390,7 @@ def main(argv: Sequence[str]) -> None:
   config = cli.config_from_flag()
   cli.check_env(config)
   check_policy_flags(_FLAGS["checkpoint"].value, _FLAGS["hf_model"].value)
-  sharding.maybe_initialize_distributed()
+  multihost.maybe_initialize_distributed()
   output = _FLAGS["output"].value
   writer = jax.process_index() == 0
   if writer:
@@ -417,7 +417,7 @@ def main(argv: Sequence[str]) -> None:
     logging.info("Wrote %s and %s.", json_path, md_path)
     print(result_line(result, label, settings.split, output), flush=True)
   # The others wait for process 0's files: at shutdown a process waits only as long as the
-  # heartbeat timeout (sharding.maybe_initialize_distributed).
+  # heartbeat timeout (multihost.maybe_initialize_distributed).
   multihost.barrier("report written")
 
 

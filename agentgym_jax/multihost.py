@@ -31,6 +31,10 @@ every process holds as many devices of the mesh, and the `tensor` axis lies with
 (otherwise two processes would roll out the same rows; on a v5e slice `jax.make_mesh` lays
 tensor=4 across two hosts, tensor=2 within one).
 
+Start-up: `maybe_initialize_distributed`, called before anything touches a device, starts the
+multi-controller runtime when the environment describes several hosts; from then on a lost
+process stops the others within `heartbeat_timeout_s()` seconds.
+
 Files are written once, by process 0, with `process_zero_first` or a `barrier` where the
 others read what it wrote; the workdir must be a filesystem every host sees.
 
@@ -46,6 +50,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import os
 import pickle
 import signal
 import threading
@@ -387,6 +392,81 @@ def process_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
   with config.unlocked():
     config.env.kwargs.url = urls[jax.process_index() % len(urls)]
   return config
+
+
+# "1": start JAX's multi-controller runtime and let JAX detect the cluster (a Cloud TPU slice).
+DISTRIBUTED_ENV = "AGENTGYM_DISTRIBUTED"
+# Seconds a process may miss heartbeats before the job stops (JAX's own default is 100).
+HEARTBEAT_TIMEOUT_ENV = "AGENTGYM_HEARTBEAT_TIMEOUT_S"
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100
+
+_CLUSTER_ENV_VARS = (
+    "JAX_COORDINATOR_ADDRESS",  # explicit: also set JAX_NUM_PROCESSES / JAX_PROCESS_ID
+    "MEGASCALE_COORDINATOR_ADDRESS",  # multi-slice TPU
+)
+
+
+def _multi_host_env() -> bool:
+  if os.environ.get(DISTRIBUTED_ENV) == "1":
+    return True
+  if any(os.environ.get(v) for v in _CLUSTER_ENV_VARS):
+    return True
+  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
+  if len([h for h in hosts.split(",") if h]) > 1:
+    return True
+  for count_var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    if int(os.environ.get(count_var, "1") or 1) > 1:
+      return True
+  return False
+
+
+def heartbeat_timeout_s() -> int:
+  """Seconds without a heartbeat after which a process counts as lost (HEARTBEAT_TIMEOUT_ENV)."""
+  text = os.environ.get(HEARTBEAT_TIMEOUT_ENV, str(DEFAULT_HEARTBEAT_TIMEOUT_S))
+  if not text.isdigit() or int(text) < 1:
+    raise ValueError(f"{HEARTBEAT_TIMEOUT_ENV}={text!r} is not a whole number of seconds >= 1; "
+                     f"unset it for the default {DEFAULT_HEARTBEAT_TIMEOUT_S}.")
+  return int(text)
+
+
+def maybe_initialize_distributed() -> bool:
+  """Starts JAX's multi-controller runtime when the environment describes several hosts.
+
+  Detects TPU pod slices (TPU_WORKER_HOSTNAMES), SLURM / Open MPI jobs with more than one task,
+  and an explicit JAX_COORDINATOR_ADDRESS (with JAX_NUM_PROCESSES and JAX_PROCESS_ID).
+  AGENTGYM_DISTRIBUTED=1 starts it in any case and lets JAX find the cluster itself: on a Cloud
+  TPU VM slice, from the VM's metadata (worker 0 coordinates, each worker's number is its
+  process id); launch/tpu.sh sets it. Must run before anything touches a device. Returns True
+  when it initialised the runtime.
+
+  A lost process stops the others: JAX's coordination service notices its missing heartbeats
+  after `heartbeat_timeout_s()` seconds and terminates every other process with an error that
+  names it ("The following tasks are unhealthy (stopped sending heartbeats): <process id>").
+  A process that ends on an exception first waits as long for the others at shutdown, so the
+  job stops within twice the timeout of the failure. Rerunning every process with the same
+  workdir resumes from the last checkpoint.
+  """
+  if not _multi_host_env():
+    return False
+  timeout = heartbeat_timeout_s()
+  # JAX's default shutdown wait (300 s) would hold a failed process, and with it the others,
+  # far past the heartbeat timeout; the trainer ends all processes together, so a normal
+  # shutdown never waits long.
+  kwargs: dict[str, Any] = dict(heartbeat_timeout_seconds=timeout,
+                                shutdown_timeout_seconds=timeout)
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    missing = [v for v in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if v not in os.environ]
+    if missing:
+      raise ValueError(f"JAX_COORDINATOR_ADDRESS is set but {missing} are not; set all three "
+                       "on every host.")
+    kwargs.update(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                  num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                  process_id=int(os.environ["JAX_PROCESS_ID"]))
+  jax.distributed.initialize(**kwargs)
+  logging.info("jax.distributed initialised: process %d of %d, %d global devices; a lost "
+               "process stops the others within %d s (%s).", jax.process_index(),
+               jax.process_count(), jax.device_count(), timeout, HEARTBEAT_TIMEOUT_ENV)
+  return True
 
 
 def watch_sigterm() -> None:

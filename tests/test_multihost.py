@@ -44,7 +44,7 @@ CONFIG = "experiments/keypad/learn.py:runlocal"
 TRAIN_FLAGS = ["--config.log.progress_bar=False", "--config.eval.every_steps=0",
                "--config.checkpoint.export_hf=False", "--config.algo.entropy_coef=0.01",
                "--alsologtostderr"]
-# Seconds without heartbeats before the job stops (sharding.HEARTBEAT_TIMEOUT_ENV).
+# Seconds without heartbeats before the job stops (multihost.HEARTBEAT_TIMEOUT_ENV).
 HEARTBEAT_S = 10
 # The stated bound for a lost process to stop the others, with room for a busy machine.
 LOST_PROCESS_DEADLINE_S = HEARTBEAT_S + 30
@@ -255,7 +255,7 @@ import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax.experimental import multihost_utils
 from agentgym_jax import multihost, sharding
-assert sharding.maybe_initialize_distributed()
+assert multihost.maybe_initialize_distributed()
 a, b = ([d for d in jax.devices() if d.process_index == p] for p in (0, 1))
 # fsdp over the four devices in the order 0 1 1 0: each process's devices a sub-grid;
 # data x fsdp as [[0, 1], [1, 0]]: no process's devices a sub-grid.
@@ -300,3 +300,42 @@ def test_each_process_gets_its_own_env_service_url(monkeypatch):
   config.env.urls = ("http://a:1",)
   with pytest.raises(ValueError, match="env.urls is set but env.name is 'scripted'"):
     multihost.process_config(base.lock(config))
+
+
+def test_maybe_initialize_distributed_detects_clusters_and_sets_timeouts(monkeypatch):
+  import jax  # pylint: disable=import-outside-toplevel
+  from agentgym_jax import multihost  # pylint: disable=import-outside-toplevel
+  for var in ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS",
+              "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+              multihost.HEARTBEAT_TIMEOUT_ENV, multihost.DISTRIBUTED_ENV):
+    monkeypatch.delenv(var, raising=False)
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
+  assert multihost.maybe_initialize_distributed() is False
+  calls = []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  monkeypatch.setenv("SLURM_NTASKS", "4")
+  assert multihost.maybe_initialize_distributed() is True
+  # A lost process stops the others within the heartbeat timeout, and a failed one does not
+  # wait JAX's default 300 s at shutdown.
+  assert calls == [{"heartbeat_timeout_seconds": 100, "shutdown_timeout_seconds": 100}]
+  monkeypatch.setenv(multihost.HEARTBEAT_TIMEOUT_ENV, "7")
+  calls.clear()
+  multihost.maybe_initialize_distributed()
+  assert calls == [{"heartbeat_timeout_seconds": 7, "shutdown_timeout_seconds": 7}]
+  # launch/tpu.sh's switch: JAX finds the TPU slice's coordinator itself.
+  monkeypatch.delenv("SLURM_NTASKS")
+  monkeypatch.setenv(multihost.DISTRIBUTED_ENV, "1")
+  calls.clear()
+  assert multihost.maybe_initialize_distributed() is True
+  assert calls == [{"heartbeat_timeout_seconds": 7, "shutdown_timeout_seconds": 7}]
+  monkeypatch.setenv(multihost.HEARTBEAT_TIMEOUT_ENV, "soon")
+  with pytest.raises(ValueError, match="AGENTGYM_HEARTBEAT_TIMEOUT_S='soon'"):
+    multihost.maybe_initialize_distributed()
+
+
+def test_explicit_coordinator_needs_process_count(monkeypatch):
+  from agentgym_jax import multihost  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
+  with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
+    multihost.maybe_initialize_distributed()

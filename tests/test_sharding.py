@@ -122,39 +122,3 @@ def test_load_hf_onto_mesh(reference, tmp_path):
   assert params[("lm_head",)].sharding == NamedSharding(mesh, P("fsdp", None))
   logits = nnx.jit(lambda m: m(tokens, valid))(loaded)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5)
-
-
-def test_maybe_initialize_distributed_detects_clusters_and_sets_timeouts(monkeypatch):
-  for var in ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS",
-              "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
-              sharding.HEARTBEAT_TIMEOUT_ENV, sharding.DISTRIBUTED_ENV):
-    monkeypatch.delenv(var, raising=False)
-  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
-  assert sharding.maybe_initialize_distributed() is False
-  calls = []
-  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
-  monkeypatch.setenv("SLURM_NTASKS", "4")
-  assert sharding.maybe_initialize_distributed() is True
-  # A lost process stops the others within the heartbeat timeout, and a failed one does not
-  # wait JAX's default 300 s at shutdown.
-  assert calls == [{"heartbeat_timeout_seconds": 100, "shutdown_timeout_seconds": 100}]
-  monkeypatch.setenv(sharding.HEARTBEAT_TIMEOUT_ENV, "7")
-  calls.clear()
-  sharding.maybe_initialize_distributed()
-  assert calls == [{"heartbeat_timeout_seconds": 7, "shutdown_timeout_seconds": 7}]
-  # launch/tpu.sh's switch: JAX finds the TPU slice's coordinator itself.
-  monkeypatch.delenv("SLURM_NTASKS")
-  monkeypatch.setenv(sharding.DISTRIBUTED_ENV, "1")
-  calls.clear()
-  assert sharding.maybe_initialize_distributed() is True
-  assert calls == [{"heartbeat_timeout_seconds": 7, "shutdown_timeout_seconds": 7}]
-  monkeypatch.setenv(sharding.HEARTBEAT_TIMEOUT_ENV, "soon")
-  with pytest.raises(ValueError, match="AGENTGYM_HEARTBEAT_TIMEOUT_S='soon'"):
-    sharding.maybe_initialize_distributed()
-
-
-def test_explicit_coordinator_needs_process_count(monkeypatch):
-  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
-  monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
-  with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
-    sharding.maybe_initialize_distributed()

@@ -24,7 +24,6 @@ from ml_collections import config_flags
 
 from agentgym_jax import cli
 from agentgym_jax import multihost
-from agentgym_jax import sharding
 
 config_flags.DEFINE_config_file(
     "config", None, f"Experiment config file[:arg], e.g. {cli.EXAMPLE_CONFIG}.",
@@ -59,7 +58,7 @@ def main(argv: list[str]) -> None:
   # A preempted job gets SIGTERM: the trainer then saves at the next step boundary and returns
   # (exit 0). Before the distributed runtime, whose preemption service takes SIGTERM over.
   multihost.watch_sigterm()
-  multi_process = sharding.maybe_initialize_distributed()
+  multi_process = multihost.maybe_initialize_distributed()
   os.makedirs(workdir, exist_ok=True)
   log_to_workdir(workdir)
   # Imported once the distributed runtime is up, so nothing at import time can touch a device
@@ -76,7 +75,7 @@ def main(argv: list[str]) -> None:
       logging.error("Training failed (traceback below). If another process was lost, JAX's "
                     "coordination service names it and stops this one within %d s. Rerun "
                     "every process with the same --workdir to resume from the last checkpoint.",
-                    sharding.heartbeat_timeout_s())
+                    multihost.heartbeat_timeout_s())
     raise
 
 
