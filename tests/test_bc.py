@@ -18,7 +18,7 @@ from agentgym_jax.models import Decoder, ModelConfig
 from agentgym_jax.rl import losses
 from agentgym_jax.rollout import build_trajectory
 from agentgym_jax.rollout import demonstrations as demos
-from agentgym_jax.rollout.trajectory import segments
+from agentgym_jax.rollout.records import segments
 from agentgym_jax.sharding import make_mesh
 from agentgym_jax.tokenization import ChatTokenizer
 from agentgym_jax.train import config as base

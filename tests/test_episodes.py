@@ -14,9 +14,10 @@ from flax import nnx
 import environments
 from agentgym_jax.models import Decoder, ModelConfig
 from agentgym_jax.rollout import SamplingConfig, run_episodes, save_jsonl
+from agentgym_jax.rollout import records as records_lib
 from agentgym_jax.rollout import sampler
 from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT
-from agentgym_jax.rollout.trajectory import segments
+from agentgym_jax.rollout.records import segments
 from agentgym_jax.sharding import make_mesh
 from agentgym_jax.tokenization import ChatTokenizer
 from agentgym_jax.train import trajectories
@@ -573,7 +574,7 @@ def test_saved_step_is_written_whole_or_not_at_all(tok, model, tmp_path, monkeyp
       raise OSError("No space left on device")
     return dumps(record)
 
-  monkeypatch.setattr(trajectories.json, "dumps", fail_on_second_record)
+  monkeypatch.setattr(records_lib.json, "dumps", fail_on_second_record)
   with pytest.raises(OSError, match="No space"):
     trajectories.save_step(str(tmp_path), 4, traj, stats["episodes"], tok.decode, 2)
   assert len(calls) == 2 and os.listdir(tmp_path / "trajectories") == ["step_4.jsonl"]

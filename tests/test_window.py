@@ -17,7 +17,7 @@ from agentgym_jax.rl.algorithm import AlgorithmSpec
 from agentgym_jax.rollout import SamplingConfig, run_episodes, window
 from agentgym_jax.rollout import batch as batch_lib
 from agentgym_jax.rollout import episodes as episodes_lib
-from agentgym_jax.rollout.trajectory import segments
+from agentgym_jax.rollout.records import segments
 from agentgym_jax.tokenization import ChatTokenizer
 from agentgym_jax.train import config as base
 from agentgym_jax.train import update as update_lib

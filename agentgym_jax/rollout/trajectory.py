@@ -1,11 +1,11 @@
-"""The `Trajectory` batch: finished episodes as right-padded token arrays, plus a JSONL view.
+"""The `Trajectory` batch: finished episodes as right-padded token arrays.
 
 One row per episode holds the whole interaction as ONE token sequence: the opening prompt, then
 for each turn the agent's sampled tokens (ending in its end-of-turn token) and the observation
 chunk that follows. The arrays are what the trainer consumes; lengths are bucketed
 (`bucket_length`) so the jitted update compiles for a few static shapes only. With a history
 window the model saw less than the whole row at each turn; rollout/window.py cuts the row into
-the per-turn rows the update then trains.
+the per-turn rows the update then trains. rollout/records.py writes the episodes as JSON.
 
 A failed episode (its environment worker crashed or hung, its reset failed, the environment or
 env server raised) says nothing about the policy: its row is marked with the kind of fault
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -239,79 +238,3 @@ def build_trajectory(episodes: Sequence[Episode], pad_id: int, length: int | Non
       terminated=per_episode("terminated", bool), truncated=per_episode("truncated", bool),
       failure=np.asarray([FAILURES.index(e.stop_reason) + 1 if e.failed else 0
                           for e in episodes], np.int32))
-
-
-def segments(traj: Trajectory, row: int) -> list[dict[str, Any]]:
-  """Splits row `row` into maximal runs of one role: "prompt", "agent" or "observation".
-
-  Each segment: {"role", "turn", "start", "tokens"} (start = index of its first token).
-  """
-  tokens = np.asarray(traj.tokens[row])
-  n = int(np.asarray(traj.valid[row]).sum())
-  mask = np.asarray(traj.loss_mask[row])
-  turns = np.asarray(traj.turn_index[row])
-  out: list[dict[str, Any]] = []
-  for t in range(n):
-    role = "prompt" if turns[t] < 0 else "agent" if mask[t] else "observation"
-    if not out or out[-1]["role"] != role or out[-1]["turn"] != int(turns[t]):
-      out.append({"role": role, "turn": int(turns[t]), "start": t, "tokens": []})
-    out[-1]["tokens"].append(int(tokens[t]))
-  return out
-
-
-def episode_turns(episode: Episode) -> list[dict[str, Any]]:
-  """Per agent turn: {"turn", "agent" (reply text), "action" (parsed), "observation" (the
-  environment's answer), "reward" (that step's reward)}.
-
-  Each turn added an assistant and a user message after the opening ones, so the turns are
-  the last 2 * num_turns messages.
-  """
-  talk = episode.messages[len(episode.messages) - 2 * episode.num_turns:]
-  if len(talk) != 2 * episode.num_turns:
-    return []
-  rewards = np.zeros(episode.num_turns)
-  for turn, reward in zip(episode.turn_index, episode.turn_rewards):
-    if 0 <= turn < episode.num_turns:
-      rewards[turn] += reward
-  return [{"turn": t, "agent": talk[2 * t]["content"],
-           "action": episode.actions[t] if t < len(episode.actions) else None,
-           "observation": talk[2 * t + 1]["content"], "reward": float(rewards[t])}
-          for t in range(episode.num_turns)]
-
-
-def episode_record(traj: Trajectory, row: int, decode, episode: Episode | None = None
-                   ) -> dict[str, Any]:
-  """Row `row` as a JSON-ready dict: outcome fields and token segments with their text; with
-  the runner's `episode`, also its stop reason, category, messages and `episode_turns`."""
-  record: dict[str, Any] = {
-      "task_id": int(traj.task_id[row]), "group_id": int(traj.group_id[row]),
-      "num_turns": int(traj.num_turns[row]), "success": bool(traj.success[row]),
-      "score": float(traj.score[row]), "reward": float(np.asarray(traj.rewards[row]).sum()),
-      "terminated": bool(traj.terminated[row]), "truncated": bool(traj.truncated[row]),
-      "num_tokens": int(np.asarray(traj.valid[row]).sum()),
-  }
-  if episode is not None:
-    record.update(stop_reason=episode.stop_reason, category=episode.category,
-                  messages=episode.messages, turns=episode_turns(episode))
-    if episode.failed:
-      record["error"] = episode.error
-  record["segments"] = [dict(seg, text=decode(seg["tokens"])) for seg in segments(traj, row)]
-  return record
-
-
-def save_jsonl(path: str, traj: Trajectory, decode, episodes: Sequence[Episode] | None = None,
-               append: bool = False) -> None:
-  """Writes one JSON line per episode (`episode_record`).
-
-  Args:
-    path: output file (overwritten, or extended when `append`).
-    traj: the batch.
-    decode: ids -> text (e.g. `ChatTokenizer.decode`).
-    episodes: the runner's host records, adding the stop reason and the conversation as
-      messages and turns (incl. the final observation, which is not part of the token
-      sequence).
-  """
-  with open(path, "a" if append else "w") as f:
-    for row in range(traj.batch_size):
-      record = episode_record(traj, row, decode, episodes[row] if episodes is not None else None)
-      f.write(json.dumps(record) + "\n")

@@ -1,7 +1,7 @@
 """Saved training trajectories: a sample of a step's episodes, per turn and per token.
 
 `save_step` writes `workdir/trajectories/step_N.jsonl` (N = steps completed), one line per
-episode: the fields of `rollout.trajectory.episode_record` (outcome, stop reason, category,
+episode: the fields of `rollout.records.episode_record` (outcome, stop reason, category,
 turns with reply, parsed action, observation and reward; token segments with their text)
 plus "step", "replay" (`provenance.episode_provenance`: what `python -m agentgym_jax.replay`
 needs to regenerate the episode; absent for behaviour cloning, which samples nothing), and on
@@ -13,15 +13,14 @@ sampler's), "advantages" and, with a critic, "values". Each segment also states 
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from agentgym_jax.rollout.trajectory import Episode, Trajectory, episode_record
+from agentgym_jax.rollout import records as records_lib
+from agentgym_jax.rollout.trajectory import Episode, Trajectory
 from agentgym_jax.train import provenance
 
 TRAJECTORY_DIR = "trajectories"
@@ -52,7 +51,7 @@ def step_records(step: int, traj: Trajectory, episodes: Sequence[Episode], decod
   """
   records = []
   for row in range(min(num_episodes, traj.batch_size)):
-    record = {"step": step, **episode_record(traj, row, decode, episodes[row])}
+    record = {"step": step, **records_lib.episode_record(traj, row, decode, episodes[row])}
     if replay is not None:
       record["replay"] = provenance.episode_provenance(replay, traj, row)
     for seg in record["segments"]:
@@ -72,22 +71,10 @@ def step_records(step: int, traj: Trajectory, episodes: Sequence[Episode], decod
 def save_step(workdir: str, step: int, traj: Trajectory, episodes: Sequence[Episode], decode,
               num_episodes: int, advantages: np.ndarray | None = None,
               values: np.ndarray | None = None, replay: dict[str, Any] | None = None) -> str:
-  """Writes `step_records(...)` to `step_path(workdir, step)` atomically; returns the path.
-
-  The lines go to a temporary file in the same directory that then replaces the target, so a
-  crash never leaves a half-written step file (and a resumed run's rewrite is whole too).
-  """
+  """Writes `step_records(...)` to `step_path(workdir, step)`, whole or not at all
+  (`records.write_jsonl`); returns the path."""
   path = step_path(workdir, step)
   os.makedirs(os.path.dirname(path), exist_ok=True)
-  records = step_records(step, traj, episodes, decode, num_episodes, advantages, values,
-                         replay)
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".step_", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w") as f:
-      for record in records:
-        f.write(json.dumps(record) + "\n")
-    os.replace(tmp, path)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+  records_lib.write_jsonl(path, step_records(step, traj, episodes, decode, num_episodes,
+                                             advantages, values, replay))
   return path
