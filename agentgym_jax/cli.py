@@ -1,5 +1,5 @@
-"""Pieces the command lines share: reading the --config flag, checking its environment,
-one-line fatal errors, INFO logging to a file instead of the terminal.
+"""Pieces the command lines share: defining and reading the --config flag, checking its
+environment, one-line fatal errors, INFO logging to a file instead of the terminal.
 
 A mistake on the command line (a wrong path, a name that does not exist) ends the program
 with one line that says what was wrong and what to do, and with nothing written: a
@@ -10,16 +10,38 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 from typing import NoReturn
 
 import ml_collections
 from absl import flags
 from absl import logging as absl_logging
+from ml_collections import config_flags
 
+from agentgym_jax.rl import algorithm
 from agentgym_jax.rollout import envs
 
 EXAMPLE_CONFIG = "experiments/keypad/learn.py:runlocal"
+
+
+def define_config_flag(help_string: str, name: str = "config", **kwargs) -> flags.FlagHolder:
+  """Defines the experiment-file flag `--name` (config_flags), with `--name.a.b=v` overrides.
+
+  The experiment file locks its config (`train.config.lock`), so an override of a field that
+  does not exist fails, but for `algo.estimator_kwargs`, the estimator's own options, which
+  it leaves open: there the command line may add a key (`--config.algo.estimator_kwargs.x=v`),
+  checked against the estimator when the run starts. config_flags' own locking would close
+  that sub-tree too, so it is off, and its `accept_new_attributes` lets an override create a
+  key where the config is unlocked (and only there).
+
+  Args:
+    help_string: the flag's help.
+    name: the flag's name.
+    **kwargs: passed on to `config_flags.DEFINE_config_file` (tests: flag_values, sys_argv).
+  """
+  return config_flags.DEFINE_config_file(name, None, help_string, lock_config=False,
+                                         accept_new_attributes=True, **kwargs)
 
 
 def fatal(message: str) -> NoReturn:
@@ -38,11 +60,32 @@ def parse_flags(argv: list[str]) -> list[str]:
     return flags.FLAGS(argv)
   except (AttributeError, KeyError) as e:
     bad = [a for a in argv[1:] if a.startswith("--config.")]
-    # The message arrives as the repr of a KeyError's: quoted, with escaped quotes and newlines.
-    message = str(e).strip("'\"").replace("\\n", " ").replace("\\'", "'")
-    fatal(f"bad config override among {bad}: no such field: {message}")
+    fatal(f"bad config override among {bad}: no such field: {_missing_field(e)}; "
+          "agentgym_jax/train/config.py:base_config() defines every field")
   except flags.Error as e:
     fatal(f"{e} (--helpshort lists the flags)")
+  except OSError as e:
+    # A missing config file with --config.x=v overrides: config_flags reads the file to parse
+    # them, instead of deferring the error to `config_from_flag`.
+    paths = [a.split("=", 1)[1].split(":", 1)[0] for a in argv[1:] if a.startswith("--config=")]
+    for path in paths:
+      if not os.path.isfile(path):
+        _no_config_file("config", path)
+    fatal(str(e))
+
+
+def _missing_field(error: Exception) -> str:
+  """The missing field of ml_collections' error, and its "did you mean" where it has one.
+
+  A locked section's error also lists every field of the section, and arrives as nested reprs
+  (quotes escaped once per level, newlines as text): the key and the hint are what matter.
+  """
+  text = str(error)
+  key = re.search(r'Key "([^"\\]+)" does not exist', text)
+  if key is None:
+    return text.strip("'\"").replace("\\n", " ").replace("\\'", "'")
+  hint = re.search(r'Did you mean "([^"\\]+)"', text)
+  return repr(key.group(1)) + (f' (Did you mean "{hint.group(1)}"?)' if hint else "")
 
 
 def config_from_flag(name: str = "config") -> ml_collections.ConfigDict:
@@ -53,9 +96,13 @@ def config_from_flag(name: str = "config") -> ml_collections.ConfigDict:
   """
   path = flags.FLAGS[name].config_filename.split(":", 1)[0]
   if not os.path.isfile(path):
-    fatal(f"--{name}: no config file {path!r} (relative to {os.getcwd()}); pass an experiment "
-          f"file, e.g. --{name}={EXAMPLE_CONFIG}")
+    _no_config_file(name, path)
   return flags.FLAGS[name].value
+
+
+def _no_config_file(name: str, path: str) -> NoReturn:
+  fatal(f"--{name}: no config file {path!r} (relative to {os.getcwd()}); pass an experiment "
+        f"file, e.g. --{name}={EXAMPLE_CONFIG}")
 
 
 def check_env(config: ml_collections.ConfigDict) -> None:
@@ -65,6 +112,16 @@ def check_env(config: ml_collections.ConfigDict) -> None:
     envs.check(config)
   except ValueError as e:
     fatal(f"config.env: {e}")
+
+
+def check_algorithm(config: ml_collections.ConfigDict) -> None:
+  """Exits with one line when `config.algo` is no valid algorithm (`AlgorithmSpec.from_config`'s
+  error: an unknown estimator, an estimator option it does not take, ...), which the trainer
+  would otherwise raise with a traceback once the run is set up."""
+  try:
+    algorithm.AlgorithmSpec.from_config(config)
+  except ValueError as e:
+    fatal(str(e))
 
 
 def log_to(path: str | None) -> None:

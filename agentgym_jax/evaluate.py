@@ -425,8 +425,7 @@ def _define_flags() -> dict[str, Any]:
   """The command line's flags (defined only when run as a program: the trainer, which has
   its own --config, imports this module)."""
   return {
-      "config": config_flags.DEFINE_config_file(
-          "config", None, "Experiment config file[:arg], as for training.", lock_config=True),
+      "config": cli.define_config_flag("Experiment config file[:arg], as for training."),
       "checkpoint": flags.DEFINE_string("checkpoint", None, "Training workdir to evaluate."),
       "step": flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest)."),
       "hf_model": flags.DEFINE_string(

@@ -50,7 +50,6 @@ import ml_collections
 import numpy as np
 from absl import app, flags
 from flax import nnx
-from ml_collections import config_flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import cli
@@ -446,8 +445,7 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   # Defined here, not at import: the trainer's command defines its own --config.
-  config_flags.DEFINE_config_file("config", None, "Experiment config file (and :arguments).",
-                                  lock_config=True)
+  cli.define_config_flag("Experiment config file (and :arguments).")
   flags.DEFINE_string("topology", None, "The TPU slice: v5e-16, v4-32, v5p-128, v6e-8, ...")
   flags.DEFINE_string("json", None, "Also write the plan to this JSON file.")
   flags.DEFINE_list("only", [], f"Compile only these programs (default all: {PROGRAMS}).")

@@ -336,9 +336,7 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  config_flags.DEFINE_config_file(
-      "config", None, "Replay under this config file[:arg] instead of the recorded one.",
-      lock_config=True)
+  cli.define_config_flag("Replay under this config file[:arg] instead of the recorded one.")
   _STEP = flags.DEFINE_integer("step", None, "The step whose saved episodes to replay.")
   _EPISODE = flags.DEFINE_multi_integer(
       "episode", None, "A row of the step's batch (repeatable; default: every saved one).")

@@ -41,12 +41,12 @@ def _summary(spec: AlgorithmSpec) -> tuple:
 def test_every_algorithm_name_resolves_to_its_spec():
   assert set(ALGORITHMS) == set(WANT)
   for name, estimator in ALGORITHMS.items():
-    assert _summary(_spec(advantage=estimator)) == WANT[name], name
+    assert _summary(_spec(estimator=estimator)) == WANT[name], name
 
 
 @pytest.mark.parametrize("estimator", sorted(advantages.ESTIMATORS))
 def test_every_estimator_is_a_valid_spec(estimator):
-  spec = _spec(advantage=estimator)
+  spec = _spec(estimator=estimator)
   assert spec.estimator == estimator
   assert spec.use_critic == (estimator in ("gae", "turn_gae"))
   assert spec.uses_turns == (estimator in ("gigpo", "turn_gae"))
@@ -54,14 +54,12 @@ def test_every_estimator_is_a_valid_spec(estimator):
 
 
 def test_derived_choices():
-  # GRPO without the std division is Dr.GRPO.
-  assert _spec(advantage="grpo", norm_adv_by_std=False).estimator == "drgrpo"
   # KL in the reward: the reference stays, the loss has no KL term.
   assert _summary(_spec(kl_in_reward=True)) == ("grpo", False, True, False, True, "ppo_clip")
   # No KL at all: no reference model is kept.
   assert _summary(_spec(kl_coef=0.0)) == ("grpo", False, False, False, False, "ppo_clip")
   # Behaviour cloning: cross-entropy, no estimator, critic, reference or KL, whatever algo says.
-  assert _summary(_spec(mode="bc", advantage="gae", kl_in_reward=True)) == (
+  assert _summary(_spec(mode="bc", estimator="gae", kl_in_reward=True)) == (
       "", False, False, False, False, "cross_entropy")
   assert make_advantage_fn(_spec(mode="bc")) is None
   for spec in (_spec(), _spec(mode="bc")):
@@ -70,7 +68,7 @@ def test_derived_choices():
 
 @pytest.mark.parametrize("field, value, message", [
     ("mode", "sft", "mode must be one of"),
-    ("advantage", "ppo", "algo.advantage 'ppo' is not one of"),
+    ("estimator", "ppo", "algo.estimator 'ppo' is not one of"),
     ("loss_agg_mode", "sum", "algo.loss_agg_mode 'sum' is not one of"),
     ("kl_estimator", "k4", "algo.kl_estimator 'k4' is not one of"),
     ("clip_dual", 0.5, "algo.clip_dual must be > 1"),
@@ -86,7 +84,7 @@ def test_spec_is_frozen():
 
 
 def test_kl_in_reward_and_dr_grpo_advantages():
-  spec = _spec(kl_in_reward=True, kl_coef=0.5, kl_estimator="k1", norm_adv_by_std=False)
+  spec = _spec(kl_in_reward=True, kl_coef=0.5, kl_estimator="k1", estimator="drgrpo")
   mask = jnp.array([[0, 1, 1, 0], [0, 1, 1, 0]], bool)
   rewards = jnp.array([[0, 0, 1.0, 0], [0, 0, 0, 0]])
   old = jnp.array([[0, -1.0, -2.0, 0], [0, -1.0, -1.0, 0]])
@@ -107,7 +105,7 @@ def test_whiten_whitens_the_estimators_advantages():
   mask = jnp.array([[0, 1, 1], [0, 1, 0]], bool)
   rewards = jnp.array([[0, 0, 1.0], [0, 0.5, 0]])
   zeros = jnp.zeros_like(rewards)
-  adv, _, _ = make_advantage_fn(_spec(advantage="rloo", whiten=True))(
+  adv, _, _ = make_advantage_fn(_spec(estimator="rloo", whiten=True))(
       rewards, mask, jnp.array([0, 0]), zeros, zeros, zeros)
   raw = advantages.ESTIMATORS["rloo"](rewards, mask, group_ids=jnp.array([0, 0]))[0]
   np.testing.assert_allclose(adv, advantages.masked_whiten(raw, mask), rtol=1e-6)
@@ -124,13 +122,14 @@ def test_turn_level_options_reach_the_estimator_and_bad_ones_stop_at_the_spec():
   zeros = jnp.zeros_like(rewards)
   group = jnp.array([0, 0])
   for norm, reference in (("mean_norm", "drgrpo"), ("mean_std_norm", "grpo")):
-    spec = _spec(advantage="gigpo", step_weight=0.5, step_norm=norm, kl_coef=0.0)
+    spec = _spec(estimator="gigpo", estimator_kwargs=dict(step_weight=0.5, step_norm=norm),
+                 kl_coef=0.0)
     adv, _, _ = make_advantage_fn(spec)(rewards, mask, group, zeros, zeros, zeros, turns)
     want = advantages.ESTIMATORS[reference](rewards, mask, group_ids=group)[0]
     np.testing.assert_allclose(adv, 1.5 * np.asarray(want), rtol=1e-5)
-  with pytest.raises(ValueError, match="algo.step_norm 'std' is not one of"):
-    _spec(advantage="gigpo", step_norm="std")
+  with pytest.raises(ValueError, match=r"algo.estimator_kwargs.step_norm 'std' is not one of"):
+    _spec(estimator="gigpo", estimator_kwargs=dict(step_norm="std"))
   with pytest.raises(ValueError, match="turn_gae.*kl_in_reward=False"):
-    _spec(advantage="turn_gae", kl_in_reward=True)
+    _spec(estimator="turn_gae", kl_in_reward=True)
   with pytest.raises(ValueError, match="gigpo needs turns"):
-    make_advantage_fn(_spec(advantage="gigpo"))(rewards, mask, group, zeros, zeros, zeros)
+    make_advantage_fn(_spec(estimator="gigpo"))(rewards, mask, group, zeros, zeros, zeros)

@@ -84,7 +84,7 @@ def test_paper_configs_load_for_every_documented_arg(env):
       assert config.algo.kl_estimator == "low_var_kl" and not config.algo.kl_in_reward
     expected = {"grpo": "grpo", "ppo": "gae", "reinforce_pp": "reinforce_plus_plus",
                 "rloo": "rloo"}[arg.split("algo=")[1].split(",")[0]]
-    assert config.algo.advantage == expected
+    assert config.algo.estimator == expected
 
 
 def _check_smollm2(config, runlocal):
@@ -189,7 +189,8 @@ def test_algo_sweep_covers_table6():
 
 def _leaves(config, prefix=""):
   for key, value in config.items():
-    if isinstance(value, ml_collections.ConfigDict) and key not in ("kwargs", "arch"):
+    if isinstance(value, ml_collections.ConfigDict) and key not in ("kwargs", "arch",
+                                                                    "estimator_kwargs"):
       yield from _leaves(value, f"{prefix}{key}.")
     else:
       yield f"{prefix}{key}"

@@ -11,9 +11,9 @@ import subprocess
 import time
 
 from absl import flags
-from ml_collections import config_flags
 import pytest
 
+from agentgym_jax import cli
 from agentgym_jax import sweeps
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -34,17 +34,17 @@ sweep_script = _load_sweep_script()
 
 
 def test_product_zipit_fixed_golden():
-  algos = sweeps.sweep("algo.advantage", ["grpo", "rloo"])
+  algos = sweeps.sweep("algo.estimator", ["grpo", "rloo"])
   seeds = sweeps.sweep("seed", [0, 1])
   assert sweeps.product(algos, seeds) == [
-      {"algo.advantage": "grpo", "seed": 0}, {"algo.advantage": "grpo", "seed": 1},
-      {"algo.advantage": "rloo", "seed": 0}, {"algo.advantage": "rloo", "seed": 1}]
+      {"algo.estimator": "grpo", "seed": 0}, {"algo.estimator": "grpo", "seed": 1},
+      {"algo.estimator": "rloo", "seed": 0}, {"algo.estimator": "rloo", "seed": 1}]
   lrs = sweeps.sweep("optim.lr", [1e-6, 5e-7])
   assert sweeps.zipit(algos, lrs) == [
-      {"algo.advantage": "grpo", "optim.lr": 1e-6}, {"algo.advantage": "rloo", "optim.lr": 5e-7}]
+      {"algo.estimator": "grpo", "optim.lr": 1e-6}, {"algo.estimator": "rloo", "optim.lr": 5e-7}]
   # A fixed key joins every point; product of a zip nests.
   assert sweeps.product(sweeps.zipit(algos, lrs), sweeps.fixed("seed", 3))[1] == {
-      "algo.advantage": "rloo", "optim.lr": 5e-7, "seed": 3}
+      "algo.estimator": "rloo", "optim.lr": 5e-7, "seed": 3}
 
 
 def test_sweep_helper_errors():
@@ -75,10 +75,9 @@ def test_merge_config_arg_keeps_order_and_bare_flags():
 
 
 def _parse_with_config_flags(argv):
-  """Parses argv exactly as the trainer's --config flag does (ml_collections, locked)."""
+  """Parses argv exactly as the trainer's --config flag does (cli.define_config_flag)."""
   flag_values = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", lock_config=True, flag_values=flag_values,
-                                  sys_argv=["prog", *argv])
+  cli.define_config_flag("config", flag_values=flag_values, sys_argv=["prog", *argv])
   flag_values(["prog", *argv])
   return flag_values.config
 
@@ -98,7 +97,7 @@ def test_built_flags_parse_back_into_the_config():
     config = _parse_with_config_flags([argv[0], *argv[2:]])
   finally:
     os.chdir(cwd)
-  assert config.algo.advantage == "rloo"
+  assert config.algo.estimator == "rloo"
   assert config.schedule.kind == "scaling_inter"
   assert config.schedule.horizons == (5, 9)
   assert config.optim.lr == 5e-7

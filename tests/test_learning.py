@@ -43,7 +43,7 @@ def test_estimator_learns_keypad_from_scratch(algo, tmp_path, compile_cache):
   print(f"\n{algo}: {seconds:.0f} s, success by step {[round(s, 2) for s in success]}, "
         f"held-out greedy {lines[-1]['eval/success_rate']}")
   with open(os.path.join(tmp_path, "config.json")) as f:
-    assert json.load(f)["algo"]["advantage"] == {
+    assert json.load(f)["algo"]["estimator"] == {
         "grpo": "grpo", "ppo": "gae", "reinforce_pp": "reinforce_plus_plus", "rloo": "rloo",
         "gigpo": "gigpo", "turn_ppo": "turn_gae"}[algo]
   assert success[0] < 0.2, success

@@ -25,7 +25,8 @@ def test_study_configs_build_and_lock(arg):
   assert tuple(c.env.kwargs.levels) == babyai.LEVELS
   if "stage=rl" in arg:
     assert c.init_from == "/tmp/bc" and c.mode == "rl"
-    assert not c.algo.norm_adv_by_std and c.algo.clip_high == 0.28 and c.algo.kl_coef > 0
+    assert c.algo.estimator == ("gae" if "algo=ppo" in arg else "drgrpo")  # grpo: Dr.GRPO
+    assert c.algo.clip_high == 0.28 and c.algo.kl_coef > 0
   if "stage=bc" in arg:
     assert c.mode == "bc" and c.bc.num_tasks > 0
   with pytest.raises(AttributeError):

@@ -165,7 +165,7 @@ def test_turn_level_estimators_train_resume_and_cross_a_scaling_inter_phase(
   (turn limit 1 -> 2), with another loss aggregation each (the default is token-mean)."""
   workdir = str(tmp_path / algo)
   args = ["--config.schedule.kind=scaling_inter", "--config.schedule.horizons=1,2",
-          "--config.schedule.steps_per_phase=1", f"--config.algo.advantage={ALGORITHMS[algo]}",
+          "--config.schedule.steps_per_phase=1", f"--config.algo.estimator={ALGORITHMS[algo]}",
           f"--config.algo.loss_agg_mode={agg}", "--config.algo.gamma=0.9",
           "--config.eval.every_steps=0"]
   train(workdir, compile_cache, *args, "--config.total_steps=1")

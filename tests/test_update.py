@@ -31,7 +31,7 @@ def _fast_compiles():
 
 def _config(**algo):
   c = base.base_config()
-  c.algo.advantage = algo.pop("advantage", "grpo")
+  c.algo.estimator = algo.pop("estimator", "grpo")
   for key, value in algo.items():
     c.algo[key] = value
   c.optim.lr = 1e-2
@@ -179,7 +179,7 @@ def test_policy_gradient_does_not_depend_on_micro_batches(mode):
 def test_value_gradient_does_not_depend_on_micro_batches():
   _, (critic_def, critic) = _models()
   mode = "seq-mean-token-mean"  # the one mode whose per-row term is not a plain token sum
-  cfg = update_lib.UpdateConfig.from_config(_config(advantage="gae", loss_agg_mode=mode))
+  cfg = update_lib.UpdateConfig.from_config(_config(estimator="gae", loss_agg_mode=mode))
   batch = _batch()
   den = losses.aggregation_denominator(batch["loss_mask"], mode)
   loss_fn = functools.partial(update_lib.critic_loss, graphdef=critic_def, cfg=cfg)
@@ -218,7 +218,7 @@ class _Run:
   """
 
   def __init__(self, mesh):
-    config = _config(advantage="gae", kl_coef=0.01, entropy_coef=0.001)
+    config = _config(estimator="gae", kl_coef=0.01, entropy_coef=0.001)
     config.algo.minibatches = 2
     config.algo.microbatches = 2
     self.mesh = mesh

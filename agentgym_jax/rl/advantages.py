@@ -29,8 +29,19 @@ Every estimator has the same signature, so the trainer calls `ESTIMATORS[name](.
   -> advantages [B, L], returns [B, L] (critic targets for `gae`), both 0 where mask is 0, in
      float32 (float64 when the inputs are float64).
 
-`gigpo` and `turn_gae` take their own keyword options after these (`rl.algorithm` passes them
-from the config).
+An estimator may take keyword options of its own after these (`gigpo`'s step_weight and
+step_norm, `turn_gae`'s turn_gamma): `options(name)` lists them, and a config sets them in
+`algo.estimator_kwargs` (`rl.algorithm` checks the names against the signature and passes them
+in; a string option must be a static argument of the estimator's jit). What an estimator needs
+beyond the rewards is declared where it is registered, as `ESTIMATORS` traits that
+`rl.algorithm` reads:
+
+  @ESTIMATORS.register("turn_gae", uses_critic=True, uses_turns=True)
+
+  uses_critic  a value model is trained and its `values` passed in (`gae`, `turn_gae`).
+  uses_turns   the batch's `turns` are passed in (`gigpo`, `turn_gae`).
+  choices      {option: allowed values} for options with a fixed set of values, checked when
+               the config is read (`gigpo`'s step_norm).
 
 Scalars may be Python floats or traced arrays: new values never recompile. Shapes are checked at
 trace time. The estimators are jitted; called inside another jit they are inlined.
@@ -49,6 +60,8 @@ agent tokens only, as verl's do: a reward on a mask-0 position is ignored by the
 from __future__ import annotations
 
 import functools
+import inspect
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -61,11 +74,26 @@ from agentgym_jax.rl.registry import Registry
 WHITEN_EPS = 1e-8
 
 
-# name -> estimator with the signature in the module docstring.
-ESTIMATORS: Registry = Registry("advantage estimator")
+# name -> estimator with the signature in the module docstring, and its traits (the module
+# docstring).
+ESTIMATORS: Registry = Registry("advantage estimator", uses_critic=False, uses_turns=False,
+                                choices={})
+# The arguments every estimator takes; the keyword arguments beyond these are its options.
+COMMON_ARGS = ("rewards", "mask", "values", "group_ids", "gamma", "lam", "eps", "turns")
 # gigpo's step-level normalisations (verl-agent's `mode`): subtract the group mean, or also
 # divide by the group std.
 STEP_NORMS = ("mean_norm", "mean_std_norm")
+
+
+def options(name: str) -> dict[str, Any]:
+  """The keyword options of estimator `name` beyond `COMMON_ARGS`, with their defaults.
+
+  Raises:
+    KeyError: `name` is not registered (the message lists the registered names).
+  """
+  parameters = inspect.signature(ESTIMATORS[name]).parameters.values()
+  return {p.name: p.default for p in parameters
+          if p.name not in COMMON_ARGS and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
 @struct.dataclass
@@ -272,7 +300,7 @@ def _gae_associative(rewards, values, mask, gamma, lam):
   return _recurrence_associative(mask * (gamma * lam) + (1.0 - mask), mask * delta)
 
 
-@ESTIMATORS.register("gae")
+@ESTIMATORS.register("gae", uses_critic=True)
 @jax.jit
 def gae(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=1e-6,
         turns=None):
@@ -436,7 +464,7 @@ def _per_token(per_turn: jax.Array, turns: Turns, mask: jax.Array) -> jax.Array:
   return jnp.take_along_axis(per_turn, k, axis=1) * mask
 
 
-@ESTIMATORS.register("gigpo")
+@ESTIMATORS.register("gigpo", uses_turns=True, choices={"step_norm": STEP_NORMS})
 @functools.partial(jax.jit, static_argnames=("step_norm",))
 def gigpo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=1e-6,
           turns=None, step_weight=1.0, step_norm="mean_norm"):
@@ -494,7 +522,7 @@ def gigpo(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps
   return adv, adv
 
 
-@ESTIMATORS.register("turn_gae")
+@ESTIMATORS.register("turn_gae", uses_critic=True, uses_turns=True)
 @jax.jit
 def turn_gae(rewards, mask, *, values=None, group_ids=None, gamma=1.0, lam=1.0, eps=1e-6,
              turns=None, turn_gamma=1.0):

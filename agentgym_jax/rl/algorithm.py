@@ -10,14 +10,17 @@ alone:
 
 `ALGORITHMS` names the algorithms the experiments run, the paper's four (`PAPER_ALGORITHMS`)
 and two with turn-level credit (their `algo=` config argument); each is an advantage
-estimator of `advantages.ESTIMATORS`, set as `config.algo.advantage`.
+estimator of `advantages.ESTIMATORS`, set as `config.algo.estimator`, whose own keyword options
+are `config.algo.estimator_kwargs`. What an estimator needs (a critic, the turn structure) is
+read from its registration (`advantages.ESTIMATORS.traits`), so a new estimator is one
+registered function.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +35,6 @@ ALGORITHMS = {"grpo": "grpo", "ppo": "gae", "reinforce_pp": "reinforce_plus_plus
               "gigpo": "gigpo", "turn_ppo": "turn_gae"}
 # The four the paper compares (its Table 6; AgentGym-RL, arXiv 2509.08755).
 PAPER_ALGORITHMS = ("grpo", "ppo", "reinforce_pp", "rloo")
-# Estimators that train a value model, and those that read the batch's turn structure.
-CRITIC_ESTIMATORS = ("gae", "turn_gae")
-TURN_ESTIMATORS = ("gigpo", "turn_gae")
 # config.mode: "rl" trains on the policy's own rollouts, "bc" clones the expert's.
 MODES = ("rl", "bc")
 
@@ -44,14 +44,15 @@ class AlgorithmSpec:
   """The algorithm of a run, every field final (hashable: it is static in the jitted update).
 
   estimator: key of `advantages.ESTIMATORS` ("" in behaviour cloning, which has none).
-  use_critic: a value model is trained (GAE's values).
+  use_critic: a value model is trained (GAE's values): the estimator's `uses_critic` trait.
+  uses_turns (property): the estimator reads the batch's turn structure (its `uses_turns`).
   keep_reference: the initial policy is kept as the KL reference.
   kl_in_loss, kl_in_reward: where kl_coef · KL(π || π_ref) goes (at most one; neither when
     kl_coef is 0 or in behaviour cloning).
   policy_loss: key of `losses.POLICY_LOSSES` ("ppo_clip", or "cross_entropy" for cloning).
   loss_agg_mode: one of `losses.LOSS_AGG_MODES`.
-  estimator_options: the estimator's own keyword options, as (name, value) pairs (gigpo's
-    step weight and normalisation, turn_gae's turn discount; empty for the others).
+  estimator_options: `algo.estimator_kwargs` as sorted (name, value) pairs, checked against
+    the estimator's signature (`advantages.options`); empty in behaviour cloning.
   tis_cap: truncated importance sampling's cap (`losses.tis_weights`), 0 = off.
   overlong, overlong_penalty: what happens to episodes cut by a cap (`overlong.OVERLONG_MODES`).
   dynamic_sampling, dynamic_sampling_max_rounds: DAPO's dynamic sampling and its bound on
@@ -78,7 +79,7 @@ class AlgorithmSpec:
   entropy_coef: float
   value_coef: float
   value_clip: float
-  estimator_options: tuple[tuple[str, float | str], ...] = ()
+  estimator_options: tuple[tuple[str, Any], ...] = ()
   tis_cap: float = 0.0
   overlong: str = "none"
   overlong_penalty: float = 0.0
@@ -87,27 +88,28 @@ class AlgorithmSpec:
 
   @property
   def uses_turns(self) -> bool:
-    return self.estimator in TURN_ESTIMATORS
+    return bool(self.estimator) and advantages_lib.ESTIMATORS.traits(self.estimator)["uses_turns"]
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "AlgorithmSpec":
     """The spec of `config.mode` and `config.algo`.
 
     Raises:
-      ValueError: an unknown mode, estimator, KL estimator or aggregation mode, or a dual clip
+      ValueError: an unknown mode, estimator, KL estimator or aggregation mode, an estimator
+        option the estimator does not take (or a value outside its choices), or a dual clip
         constant in (0, 1] (each message names the field and the allowed values).
     """
     algo = config.algo
     if config.mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}.")
-    for field, allowed in (("advantage", advantages_lib.ESTIMATORS),
+    for field, allowed in (("estimator", advantages_lib.ESTIMATORS),
                            ("loss_agg_mode", losses.LOSS_AGG_MODES),
-                           ("kl_estimator", losses.KL_ESTIMATORS),
-                           ("step_norm", advantages_lib.STEP_NORMS)):
+                           ("kl_estimator", losses.KL_ESTIMATORS)):
       if algo[field] not in allowed:
         raise ValueError(f"algo.{field} {algo[field]!r} is not one of {sorted(allowed)}.")
-    if algo.advantage == "turn_gae" and algo.kl_coef > 0 and algo.kl_in_reward:
-      raise ValueError("algo.advantage='turn_gae' reads the environment's step rewards only: "
+    options = estimator_options(algo.estimator, algo.estimator_kwargs)
+    if algo.estimator == "turn_gae" and algo.kl_coef > 0 and algo.kl_in_reward:
+      raise ValueError("algo.estimator='turn_gae' reads the environment's step rewards only: "
                        "set algo.kl_in_reward=False (the KL penalty then goes in the loss).")
     if algo.clip_dual and algo.clip_dual <= 1.0:
       raise ValueError(f"algo.clip_dual must be > 1 (or 0 to disable), got {algo.clip_dual}.")
@@ -123,14 +125,11 @@ class AlgorithmSpec:
       raise ValueError("algo.dynamic_sampling_max_rounds must be >= 0 (extra rollout rounds "
                        f"per step), got {algo.dynamic_sampling_max_rounds}.")
     rl = config.mode == "rl"
-    estimator = algo.advantage
-    if estimator == "grpo" and not algo.norm_adv_by_std:
-      estimator = "drgrpo"  # GRPO without the std division is Dr.GRPO
+    estimator = algo.estimator
     kl = rl and algo.kl_coef > 0
-    options = {"gigpo": (("step_weight", algo.step_weight), ("step_norm", algo.step_norm)),
-               "turn_gae": (("turn_gamma", algo.turn_gamma),)}.get(estimator, ())
     return cls(
-        estimator=estimator if rl else "", use_critic=rl and estimator in CRITIC_ESTIMATORS,
+        estimator=estimator if rl else "",
+        use_critic=rl and advantages_lib.ESTIMATORS.traits(estimator)["uses_critic"],
         keep_reference=kl, kl_in_loss=kl and not algo.kl_in_reward,
         kl_in_reward=kl and algo.kl_in_reward, kl_coef=algo.kl_coef,
         kl_estimator=algo.kl_estimator, whiten=algo.whiten, gamma=algo.gamma, lam=algo.lam,
@@ -144,6 +143,34 @@ class AlgorithmSpec:
         dynamic_sampling_max_rounds=algo.dynamic_sampling_max_rounds if rl else 0)
 
 
+def estimator_options(estimator: str, kwargs: Any) -> tuple[tuple[str, Any], ...]:
+  """`kwargs` (`algo.estimator_kwargs`) as sorted (name, value) pairs, checked against what
+  `estimator` takes: its keyword options beyond `advantages.COMMON_ARGS`, and the values its
+  `choices` trait allows.
+
+  Raises:
+    ValueError: an option the estimator does not take, a value outside its choices, or an
+      unhashable value (the spec is static in the jitted update).
+  """
+  accepted = advantages_lib.options(estimator)
+  choices = advantages_lib.ESTIMATORS.traits(estimator)["choices"]
+  pairs = []
+  for name, value in sorted(dict(kwargs).items()):
+    if name not in accepted:
+      raise ValueError(f"algo.estimator_kwargs has {name!r}, which {estimator} does not take; "
+                       f"its options: {sorted(accepted)}")
+    if name in choices and value not in choices[name]:
+      raise ValueError(f"algo.estimator_kwargs.{name} {value!r} is not one of "
+                       f"{list(choices[name])} ({estimator}'s choices).")
+    try:
+      hash(value)
+    except TypeError:
+      raise ValueError(f"algo.estimator_kwargs.{name} must be a number, string or tuple, got "
+                       f"{type(value).__name__} {value!r}.") from None
+    pairs.append((name, value))
+  return tuple(pairs)
+
+
 def make_advantage_fn(spec: AlgorithmSpec) -> Callable | None:
   """Jitted (rewards, mask, group_ids, old_lp, ref_lp, values, turns=None) -> (advantages,
   returns, kl).
@@ -151,7 +178,9 @@ def make_advantage_fn(spec: AlgorithmSpec) -> Callable | None:
   All [B, L] but group_ids [B] and `turns` (an `advantages.Turns`, needed by the turn-level
   estimators, `spec.uses_turns`). With `kl_in_reward` the reward of every agent token first
   loses kl_coef · KL(old || ref) (kl: that penalty, else zeros); `whiten` whitens the
-  estimator's advantages over the batch's agent tokens. None in behaviour cloning.
+  estimator's advantages over the batch's agent tokens. The estimator's options
+  (`spec.estimator_options`) are bound before tracing, so a string option reaches the
+  estimator as the Python value its own jit takes as static. None in behaviour cloning.
   """
   if not spec.estimator:
     return None

@@ -6,7 +6,8 @@ r"""Command line of the trainer.
 Re-running with the same --workdir resumes from its newest complete checkpoint. SIGTERM (a
 preemption) makes the run save a checkpoint at the next step boundary and exit 0. A `--config.x=v`
 override of a field the config does not have, a missing config file, a --workdir that is a
-file or an unknown environment stops the run with one line before anything is written.
+file, an unknown environment or an invalid algorithm (an unknown estimator, an estimator option
+it does not take) stops the run with one line before anything is written.
 
 The terminal shows the progress bar, a line per held-out evaluation and the summary line;
 absl/orbax INFO logging goes to WORKDIR/train.log (`--alsologtostderr` shows it here too).
@@ -20,14 +21,11 @@ import os
 import jax
 import ml_collections
 from absl import app, flags
-from ml_collections import config_flags
 
 from agentgym_jax import cli
 from agentgym_jax import multihost
 
-config_flags.DEFINE_config_file(
-    "config", None, f"Experiment config file[:arg], e.g. {cli.EXAMPLE_CONFIG}.",
-    lock_config=True)
+cli.define_config_flag(f"Experiment config file[:arg], e.g. {cli.EXAMPLE_CONFIG}.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, exports.")
 flags.mark_flags_as_required(["config", "workdir"])
 LOG_FILE = "train.log"
@@ -39,6 +37,7 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
     cli.fatal(f"--workdir={workdir} is a file; pass a directory (a new one, or a run's workdir "
               "to resume it).")
   cli.check_env(config)
+  cli.check_algorithm(config)
 
 
 def log_to_workdir(workdir: str) -> str:

@@ -213,21 +213,22 @@ def base_config() -> ml_collections.ConfigDict:
 
   # ----- algorithm ---------------------------------------------------------------------------
   c.algo = ml_collections.ConfigDict()
-  # Advantage estimator, a key of rl.advantages.ESTIMATORS ("gae" and "turn_gae" train a
-  # critic; "gigpo" and "turn_gae" give the turns of an episode different credit).
-  c.algo.advantage = "grpo"
+  # Advantage estimator, a key of rl.advantages.ESTIMATORS: "grpo", "drgrpo" (GRPO without
+  # the std division, Dr.GRPO), "rloo", "reinforce_plus_plus", "gae" (PPO's; trains a
+  # critic), "gigpo" and "turn_gae" (the turns of an episode get different credit; turn_gae
+  # trains a critic), ...
+  c.algo.estimator = "grpo"
+  # The estimator's own keyword options (rl.advantages.options(name) lists them; empty: its
+  # defaults). Free-form, also on the command line (--config.algo.estimator_kwargs.x=v), and
+  # checked against the estimator's signature when the run starts. gigpo: step_weight (of the
+  # step-level advantage, 1.0) and step_norm ("mean_norm": subtract the group mean |
+  # "mean_std_norm": also divide by the group std, at both levels); turn_gae: turn_gamma (the
+  # discount between turns, 1.0).
+  c.algo.estimator_kwargs = ml_collections.ConfigDict()
   # Discount and GAE lambda (per agent token, as verl); used by gae, turn_gae (inside a turn)
   # and reinforce_plus_plus. gigpo discounts its step returns per turn by gamma.
   c.algo.gamma = 1.0
   c.algo.lam = 1.0
-  # gigpo: weight of the step-level advantage, and its normalisation: "mean_norm" (subtract
-  # the group mean) | "mean_std_norm" (also divide by the group std), at both levels.
-  c.algo.step_weight = 1.0
-  c.algo.step_norm = "mean_norm"
-  # turn_gae: discount between turns.
-  c.algo.turn_gamma = 1.0
-  # grpo only: divide group-centred rewards by the group std; False gives Dr.GRPO (= "drgrpo").
-  c.algo.norm_adv_by_std = True
   # Whiten advantages over the batch's agent tokens after the estimator.
   c.algo.whiten = False
   # PPO ratio clip: ratio kept within [1 - clip_low, 1 + clip_high].
@@ -336,9 +337,13 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-# Sub-trees whose keys are not fixed by the schema: an environment's constructor arguments, and
-# the model architecture (`lock` checks its keys against ModelConfig instead).
-_FREE_FORM = ("env.kwargs", "model.arch")
+# Sub-trees whose keys are not fixed by the schema: an environment's constructor arguments, the
+# estimator's options (checked against its signature by rl.algorithm.AlgorithmSpec), and the
+# model architecture (`lock` checks its keys against ModelConfig instead).
+_FREE_FORM = ("env.kwargs", "algo.estimator_kwargs", "model.arch")
+# Of these, those the command line may add keys to (--config.algo.estimator_kwargs.x=v): left
+# unlocked by `lock`.
+_OPEN = ("algo.estimator_kwargs",)
 
 
 def _unknown_fields(config: ml_collections.ConfigDict, schema: ml_collections.ConfigDict,
@@ -356,10 +361,13 @@ def _unknown_fields(config: ml_collections.ConfigDict, schema: ml_collections.Co
 
 
 def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """Checks `config` against the schema of `base_config()` and locks it.
+  """Checks `config` against the schema of `base_config()` and locks it, but for
+  `algo.estimator_kwargs`.
 
   An experiment file that sets a field the trainer does not read (a misspelling) fails here,
-  as a command-line override of such a field fails after locking.
+  as a command-line override of such a field fails after locking. The estimator's options stay
+  open, so the command line can add one (`cli.define_config_flag`); their names are checked
+  against the estimator when the run starts (`AlgorithmSpec.from_config`).
 
   Raises:
     ValueError: fields that `base_config()` does not define, or `model.arch` keys that are
@@ -381,6 +389,11 @@ def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
                      "Every field is defined, with its meaning, in "
                      "agentgym_jax/train/config.py:base_config().")
   config.lock()
+  for path in _OPEN:
+    holder = config
+    for key in path.split("."):
+      holder = holder[key]
+    holder.unlock()
   return config
 
 

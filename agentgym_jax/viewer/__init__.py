@@ -58,9 +58,11 @@ def episode_files(workdir: str, out: str) -> list[tuple[str, str, str]]:
 def _facts(workdir: str) -> dict[str, Any]:
   config = _read_json(os.path.join(workdir, "config.json"))
   info = _read_json(os.path.join(workdir, "run_info.json"))
+  algo = config.get("algo", {})
   facts = {
       "environment": config.get("env", {}).get("name"),
-      "mode / advantage": f"{config.get('mode')} / {config.get('algo', {}).get('advantage')}"
+      # Runs before the rename of algo.advantage to algo.estimator name it the old way.
+      "mode / estimator": f"{config.get('mode')} / {algo.get('estimator', algo.get('advantage'))}"
                           if config else None,
       "total steps": config.get("total_steps"),
       "git commit": info.get("git_commit"),

@@ -225,7 +225,7 @@ def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.
   c.schedule.steps_per_phase = s.steps_per_phase
 
   # ----- algorithm: GRPO unless args.algo says otherwise (the KL term stays for all) ---------
-  c.algo.advantage = ALGORITHMS[args.algo]
+  c.algo.estimator = ALGORITHMS[args.algo]
   # ppo_epochs passes over each batch, split into train_batch / ppo_mini_batch updates.
   c.algo.epochs = s.epochs
   c.algo.minibatches = s.batch_tasks // s.minibatch_tasks

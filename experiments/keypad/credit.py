@@ -52,7 +52,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # groups rank a right digit above a wrong one from the same entry state; the std division
   # puts those step advantages on the episode level's scale. turn_gae discounts between turns.
   if args.algo == "gigpo":
-    c.algo.gamma, c.algo.step_norm = 0.9, "mean_std_norm"
+    c.algo.gamma, c.algo.estimator_kwargs.step_norm = 0.9, "mean_std_norm"
   elif args.algo == "turn_ppo":
-    c.algo.turn_gamma = 0.9
+    c.algo.estimator_kwargs.turn_gamma = 0.9
   return c

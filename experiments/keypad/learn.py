@@ -59,7 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.schedule.horizons = (3,)
 
   # ----- algorithm: on-policy, one update per batch, from scratch ---------------------------
-  c.algo.advantage = ALGORITHMS[args.algo]
+  c.algo.estimator = ALGORITHMS[args.algo]
   # No KL, entropy or weight-decay terms: there is nothing to stay close to.
   c.update_from_flattened_dict(base.FROM_SCRATCH)
   c.algo.minibatches = 1

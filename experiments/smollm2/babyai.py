@@ -103,11 +103,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.checkpoint.every_steps = c.total_steps
   else:
     c.init_from = args.init
-    c.algo.advantage = ALGORITHMS[args.algo]
-    # Dr.GRPO: centre on the group mean, no std division. BabyAI's reward is shaped
-    # (1 - 0.9 * steps / max_steps on success), so in a group of successes the std is tiny and
-    # dividing by it turns a one-turn difference into a full-size advantage.
-    c.algo.norm_adv_by_std = False
+    # algo=grpo runs as Dr.GRPO: centre on the group mean, no std division. BabyAI's reward is
+    # shaped (1 - 0.9 * steps / max_steps on success), so in a group of successes the std is
+    # tiny and dividing by it turns a one-turn difference into a full-size advantage.
+    c.algo.estimator = "drgrpo" if args.algo == "grpo" else ALGORITHMS[args.algo]
     # DAPO's clip-higher: room for low-probability tokens to rise.
     c.algo.clip_high = 0.28
     # Every episode weighs the same, whatever its length (the tiny study's choice).

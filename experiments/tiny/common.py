@@ -120,7 +120,7 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
   else:
     c.init_from = args.init
     c.total_steps = s.rl_steps
-    c.algo.advantage = ALGORITHMS[args.algo]
+    c.algo.estimator = ALGORITHMS[args.algo]
     # 4 tasks x 8 samples: the group of GRPO/RLOO baselines.
     c.data.batch_tasks, c.data.group_size = 4, 8
     c.algo.microbatches = 4
@@ -136,9 +136,9 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
       # A refused action leaves the state as it was, so the turns that acted from one state
       # differ by how many turns their success was still away: a discount of 0.9 per turn,
       # and the std division, which puts those small return differences on GRPO's scale.
-      c.algo.gamma, c.algo.step_norm = 0.9, "mean_std_norm"
+      c.algo.gamma, c.algo.estimator_kwargs.step_norm = 0.9, "mean_std_norm"
     elif args.algo == "turn_ppo":
-      c.algo.turn_gamma = 0.9
+      c.algo.estimator_kwargs.turn_gamma = 0.9
     c.eval.every_steps = max(1, s.rl_steps // 4)
     c.checkpoint.every_steps = max(1, s.rl_steps // 4)
     if args.horizon == "short":

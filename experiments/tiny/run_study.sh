@@ -53,7 +53,7 @@ for part in "${parts[@]}"; do
       done
       # GiGPO as verl-agent's ALFWorld runs set it.
       train babyai gigpo_mean_norm "stage=rl,algo=gigpo,init=${root}/babyai/bc" \
-          --config.algo.step_norm=mean_norm --config.algo.gamma=0.95
+          --config.algo.estimator_kwargs.step_norm=mean_norm --config.algo.gamma=0.95
       for algo in grpo gigpo; do  # with a KL term to the BC policy
         train babyai "${algo}_kl" "stage=rl,algo=${algo},init=${root}/babyai/bc" \
             --config.algo.kl_coef=0.1
