@@ -259,7 +259,7 @@ def rollout_programs(run: Run, host_devices: list[Any], hosts: int,
   them, the KV cache at the context limit."""
   config, cfg = run.config, run.cfg
   local = host_mesh(run.mesh, host_devices)
-  shards = math.prod(local.shape[a] for a in sharding_lib.BATCH_AXES)
+  shards = sharding_lib.data_parallel_size(local)
   rows = -(-run.rows // hosts // shards) * shards
   slots = -(-config.rollout.max_context // 128) * 128  # as run_episodes' limit
   width = min(bucket_length(512, 16), bucket_length(config.rollout.max_context, 16))

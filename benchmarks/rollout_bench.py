@@ -62,7 +62,7 @@ import torch
 from flax import nnx
 
 from agentgym_jax.rollout import SamplingConfig, run_episodes
-from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT
+from agentgym_jax.rollout.envs import DEFAULT_ACKNOWLEDGEMENT
 from agentgym_jax.tokenization import ChatTokenizer
 from environments.scripted.env import INSTRUCTION
 from environments.workers import EnvPool

@@ -26,6 +26,8 @@ import gymnasium
 from gymnasium import spaces
 
 REWARD_MODES = ("normalized", "paper")
+# The agent's canned first reply to the instruction, as in AgentGym's conversation opening.
+DEFAULT_ACKNOWLEDGEMENT = "OK. I'll follow your instructions and try my best to solve the task."
 
 # Observations and actions are free text; the declared charset only documents that.
 _TEXT_SPACE = spaces.Text(max_length=1 << 20, charset=string.printable)
@@ -42,8 +44,8 @@ class TextEnv(gymnasium.Env, abc.ABC):
   # The task instructions shown to the agent as the first user message (action grammar,
   # Thought/Action format). Written per environment.
   instruction: str = ""
-  # The agent's canned first reply to the instruction, as in AgentGym's conversation opening.
-  acknowledgement: str = "OK. I'll follow your instructions and try my best to solve the task."
+  # The agent's canned first reply to the instruction (some environments have their own).
+  acknowledgement: str = DEFAULT_ACKNOWLEDGEMENT
   metadata = {"render_modes": []}
   observation_space = _TEXT_SPACE
   action_space = _TEXT_SPACE

@@ -16,7 +16,7 @@ from agentgym_jax.models import Decoder, ModelConfig
 from agentgym_jax.rollout import SamplingConfig, run_episodes, save_jsonl
 from agentgym_jax.rollout import records as records_lib
 from agentgym_jax.rollout import sampler
-from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT
+from agentgym_jax.rollout.envs import DEFAULT_ACKNOWLEDGEMENT
 from agentgym_jax.rollout.records import segments
 from agentgym_jax.sharding import make_mesh
 from agentgym_jax.tokenization import ChatTokenizer

@@ -31,7 +31,8 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentgym_jax.rollout.episodes import DEFAULT_ACKNOWLEDGEMENT, opening_messages
+from agentgym_jax.rollout.envs import DEFAULT_ACKNOWLEDGEMENT
+from agentgym_jax.rollout.episodes import opening_messages
 from agentgym_jax.rollout.trajectory import Episode
 from agentgym_jax.tokenization import ChatTokenizer
 

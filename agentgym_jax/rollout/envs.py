@@ -3,23 +3,33 @@
 DESIGN.md's rule: `agentgym_jax` never imports a concrete environment and `environments` never
 imports JAX; they meet here. The trainer, behaviour cloning and evaluation get from this module
 the worker pool (local simulators or a remote AgentGym server, per `config.env`), the task
-splits, the name of the environment whose paper table applies, and the expert's play (episodes
-for behaviour cloning, texts for a BPE tokenizer); nothing else in the library imports
-`environments`.
+splits, the name of the environment whose paper table applies, the expert's play (episodes
+for behaviour cloning, texts for a BPE tokenizer) and the constants the episode runner shares
+with the environments (`FAILURES`, the kinds of fault a pool reports; `DEFAULT_ACKNOWLEDGEMENT`,
+the agent's canned first reply); nothing else in the library imports `environments`.
+
+The runner and its records import those constants from here, so this module imports the
+runner's demonstrations only where it plays them (`expert_episodes`).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import environments
 import ml_collections
-from environments.workers import EnvPool
+from environments.base import DEFAULT_ACKNOWLEDGEMENT
+from environments.workers import FAILURES, EnvPool
 
-from agentgym_jax.rollout import demonstrations as demos_lib
-from agentgym_jax.rollout.trajectory import Episode
 from agentgym_jax.tokenization import ChatTokenizer
+
+if TYPE_CHECKING:
+  from agentgym_jax.rollout.trajectory import Episode
+
+__all__ = ["DEFAULT_ACKNOWLEDGEMENT", "FAILURES", "check", "expert_episodes", "expert_texts",
+           "make_pool", "served_name", "task_splits"]
 
 # Environment steps played by the expert per task when collecting BPE training text.
 _BPE_EXPERT_STEPS = 4
@@ -100,9 +110,11 @@ def expert_episodes(config: ml_collections.ConfigDict, tok: ChatTokenizer,
   Played in this process: experts read the environment's internals, which a worker pool or a
   remote server does not expose.
   """
+  # Not at the top: demonstrations import the episode runner, which imports this module.
+  from agentgym_jax.rollout import demonstrations  # pylint: disable=import-outside-toplevel
   env = environments.make(config.env.name, **config.env.kwargs)
   try:
-    return [demos_lib.play_expert(
+    return [demonstrations.play_expert(
         env, tok, task_id, max_turns=max(config.schedule.horizons),
         max_context=config.rollout.max_context,
         max_reply_tokens=config.rollout.max_reply_tokens,

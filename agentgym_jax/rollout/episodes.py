@@ -70,11 +70,10 @@ from jax.sharding import Mesh
 from agentgym_jax import sharding
 from agentgym_jax.rollout import window
 from agentgym_jax.rollout.batch import DecodeBatch, replica_meshes, state_on
+from agentgym_jax.rollout.envs import DEFAULT_ACKNOWLEDGEMENT
 from agentgym_jax.rollout.settings import RolloutSettings
 from agentgym_jax.rollout.trajectory import Episode, Trajectory, anchor_id, build_trajectory
 from agentgym_jax.tokenization import ChatTokenizer
-
-DEFAULT_ACKNOWLEDGEMENT = "OK. I'll follow your instructions and try my best to solve the task."
 
 
 def _as_key(rng: Any) -> jax.Array:

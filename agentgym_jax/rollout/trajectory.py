@@ -24,9 +24,7 @@ import jax
 import numpy as np
 from flax import struct
 
-# The kinds of fault that fail an episode, as the env pool names them in a failed outcome's
-# info["failure"] (environments/workers.py); `Trajectory.failure` holds index + 1.
-FAILURES = ("reset_failed", "worker_crash", "step_timeout", "env_error")
+from agentgym_jax.rollout.envs import FAILURES
 
 
 @struct.dataclass

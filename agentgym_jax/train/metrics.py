@@ -21,7 +21,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from agentgym_jax.rollout.trajectory import FAILURES
+from agentgym_jax.rollout.envs import FAILURES
 
 METRICS_FILE = "metrics.jsonl"
 
