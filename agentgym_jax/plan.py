@@ -53,6 +53,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import cli
+from agentgym_jax import policies
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.models import Decoder, KVCache, ModelConfig, resolve_attention
 from agentgym_jax.models import published
@@ -61,7 +62,7 @@ from agentgym_jax.models.value import ValueModel
 from agentgym_jax.rl.algorithm import AlgorithmSpec
 from agentgym_jax.rollout import sampler
 from agentgym_jax.rollout.trajectory import bucket_length
-from agentgym_jax.train import loop, sources
+from agentgym_jax.train import loop
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import update as update_lib
 from agentgym_jax.tpus import GiB, Slice
@@ -78,7 +79,7 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
       whose vocabulary is left to the tokenizer (vocab_size 0).
   """
   source = config.model.source
-  settings = dict(sources.run_settings(config),
+  settings = dict(policies.run_settings(config),
                   attention=resolve_attention(config.model.attention, "tpu"),
                   layer_loop=resolve_layer_loop(config.model.layer_loop, "tpu"))
   if source == "hf":
@@ -90,7 +91,7 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
       raise ValueError("model.arch.vocab_size is 0 (the tokenizer's); give the plan a size, "
                        "e.g. --config.model.arch.vocab_size=512.")
     return ModelConfig(**dict(config.model.arch, **settings))
-  cfg = sources.policy_config(config, tok=None)  # SmolLM2: its GGUF file's header
+  cfg = policies.policy_config(config, tok=None)  # SmolLM2: its GGUF file's header
   return dataclasses.replace(cfg, **settings)
 
 

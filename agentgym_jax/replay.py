@@ -54,9 +54,10 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from agentgym_jax import cli
+from agentgym_jax import policies
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rollout import envs
-from agentgym_jax.train import checkpoints, loop, provenance, sources, trajectories
+from agentgym_jax.train import checkpoints, loop, provenance, trajectories
 from agentgym_jax.train import state as state_lib
 
 MODES = ("batch", "episodes")
@@ -157,7 +158,7 @@ def config_note(workdir: str, info: dict[str, Any], config: ml_collections.Confi
 
 
 def checkpoint_steps(workdir: str) -> list[int]:
-  directory = os.path.join(workdir, checkpoints.CHECKPOINT_DIR)
+  directory = os.path.join(workdir, policies.CHECKPOINT_DIR)
   if not os.path.isdir(directory):
     return []
   ckpt = checkpoints.Checkpointer(directory, read_only=True)
@@ -177,13 +178,13 @@ def sampling_policy(config: ml_collections.ConfigDict, workdir: str, info: dict[
   wanted, available = info["policy_step"], checkpoint_steps(workdir)
   if wanted in available:
     try:
-      graphdef, params, tok, _ = sources.load_policy(config, workdir, wanted)
+      graphdef, params, tok, _ = policies.load_policy(config, workdir, wanted)
     except (FileNotFoundError, ValueError) as e:  # restore_policy's one-line reasons
       raise ReplayError(f"checkpoint {wanted} of {workdir}: {e}") from e
     return graphdef, params, tok, f"checkpoint {wanted}"
   if wanted == 0:
-    tok = sources.load_tokenizer(config, workdir)
-    graphdef, params = state_lib.split_params(sources.build_policy(config, tok, mesh))
+    tok = policies.load_tokenizer(config, workdir)
+    graphdef, params = state_lib.split_params(policies.build_policy(config, tok, mesh))
     return graphdef, params, tok, "the initial policy, rebuilt from the config"
   raise ReplayError(f"step {info['step']}'s episodes were sampled by the policy after step "
                     f"{wanted}, and {workdir} has no checkpoint {wanted} (it has {available}); "

@@ -5,7 +5,8 @@ import os
 import numpy as np
 import pytest
 
-from agentgym_jax import eval_metrics as em
+from agentgym_jax.evaluate import eval_metrics as em
+from agentgym_jax.evaluate import report
 
 
 def test_avg_and_pass_at_n_golden():
@@ -79,7 +80,7 @@ def test_summarize_reproduces_paper_textcraft_row():
                  "Overall": 89.0}
   assert summary["Depth 2"]["num_tasks"] == 41 and summary["Overall"]["n"] == 1
 
-  table = em.markdown_table(em.summary_rows("AgentGym-RL-7B", summary, ("pass",)), list(summary))
+  table = report.markdown_table(report.summary_rows("AgentGym-RL-7B", summary, ("pass",)), list(summary))
   assert table.splitlines() == [
       "| Model | Depth 1 | Depth 2 | Depth 3 | Depth 4 | Overall |",
       "|---|---|---|---|---|---|",
@@ -114,16 +115,16 @@ def test_summarize_treats_a_none_category_as_other():
   assert list(summary) == ["a", "other", em.OVERALL]
   assert summary["other"]["avg"] == 1.0 and summary["a"]["avg"] == 0.0
   avg = {column: metrics["avg"] for column, metrics in summary.items()}
-  table = em.markdown_table([("m", avg)], list(summary))
+  table = report.markdown_table([("m", avg)], list(summary))
   assert table.splitlines()[0] == "| Model | a | other | Overall |"
   assert table.splitlines()[2] == "| m | 0.00 | 100.00 | 50.00 |"
 
 
 def test_markdown_table_missing_values_and_avg_row():
   summary = {"x": {"pass": 0.5, "avg": 0.25, "n": 4}, "Overall": {"pass": 0.5, "avg": 0.25, "n": 4}}
-  rows = em.summary_rows("m", summary)
+  rows = report.summary_rows("m", summary)
   assert [label for label, _ in rows] == ["m (Pass@4)", "m (Avg@4)"]
-  table = em.markdown_table(rows + [("other", {"x": 0.1})], ["x", "Overall"], digits=1)
+  table = report.markdown_table(rows + [("other", {"x": 0.1})], ["x", "Overall"], digits=1)
   assert table.splitlines()[2:] == [
       "| m (Pass@4) | 50.0 | 50.0 |",
       "| m (Avg@4) | 25.0 | 25.0 |",
@@ -241,13 +242,14 @@ def test_paper_column_rules():
 
 def test_load_policy_with_neither_flag_evaluates_the_config_model():
   from flax import nnx
-  from agentgym_jax import evaluate, sharding
+  from agentgym_jax import sharding
+  from agentgym_jax.evaluate import __main__ as evaluate_cli
   from agentgym_jax.train import config as base
   config = base.base_config()
   config.tokenizer.spec = "bpe:300"
   config.tokenizer.bpe_tasks = 2
   mesh = sharding.make_mesh(config.mesh)
-  graphdef, state, tok, label = evaluate._load_policy(config, None, None, None, mesh)
+  graphdef, state, tok, label = evaluate_cli._load_policy(config, None, None, None, mesh)
   assert label == "random" and tok.vocab_size <= 300
   assert nnx.merge(graphdef, state).cfg.vocab_size == tok.vocab_size
 

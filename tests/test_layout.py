@@ -1,36 +1,111 @@
-"""The rules of the house that a grep can check (DESIGN.md): the library meets the
-environments in one module, evaluation and the trainer do not import each other, and no
-library module is an import-time cycle."""
+"""The rules of the house that reading the imports can check (DESIGN.md): the library meets
+the environments in one module, and its packages and modules stand on floors, each importing
+only the floors below its own (so evaluation, below the trainer, never imports it, and no two
+of them import each other)."""
 
+import ast
 import pathlib
-import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 LIBRARY = ROOT / "agentgym_jax"
 
+# The floors of agentgym_jax/: a package or module (by its name under agentgym_jax/;
+# "__init__" is agentgym_jax/__init__.py) -> its floor. A module imports only modules of lower
+# floors, besides those of its own package. Every package and module stands on one, so a new
+# module fails `test_every_import_goes_down_a_floor` until it is placed here.
+FLOORS = {
+    # 1: no other part of the library.
+    "__init__": 1, "rl": 1, "sharding": 1, "sweeps": 1, "tokenization": 1, "tpus": 1,
+    "models": 2,
+    "rollout": 3,
+    # 4: what the commands share: flags, processes of a multi-host job, the policy to load.
+    "cli": 4, "multihost": 4, "policies": 4,
+    "evaluate": 5,
+    "train": 6,
+    # 7: the tools around a training run.
+    "plan": 7, "replay": 7, "viewer": 7,
+}
 
-def _imports(path: pathlib.Path) -> list[str]:
-  return re.findall(r"^\s*(?:import|from)\s+([\w.]+)", path.read_text(), re.MULTILINE)
+
+def _module_name(path: pathlib.Path) -> str:
+  """The dotted name a file is imported by, e.g. "agentgym_jax.train.loop"."""
+  parts = path.relative_to(ROOT).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+  """(line, dotted name) of every import in the file, those inside functions included.
+
+  `from a import b` gives "a.b" (b may be a module or a name in a), a relative import its
+  absolute name, and `importlib.import_module("a.b")` or `__import__("a.b")` with a literal
+  name "a.b".
+  """
+  package = _module_name(path).split(".")
+  if path.name != "__init__.py":
+    package = package[:-1]
+  found = []
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      found += [(node.lineno, alias.name) for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+      found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+          and isinstance(node.args[0].value, str)
+          and getattr(node.func, "id", getattr(node.func, "attr", None)) in (
+              "import_module", "__import__")):
+      found.append((node.lineno, node.args[0].value))
+  return found
+
+
+def _unit(dotted: str) -> str:
+  """The FLOORS key of a module of the library: "agentgym_jax.train.loop" -> "train"."""
+  parts = dotted.split(".")
+  return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_library_module_stands_on_a_floor():
+  units = {_unit(_module_name(p)) for p in LIBRARY.rglob("*.py")}
+  unplaced = sorted(units - set(FLOORS))
+  assert not unplaced, f"agentgym_jax/ parts on no floor (add them to FLOORS): {unplaced}"
+  gone = sorted(set(FLOORS) - units)
+  assert not gone, f"FLOORS names what agentgym_jax/ no longer has: {gone}"
+
+
+def test_every_import_goes_down_a_floor():
+  wrong = []
+  for path in sorted(LIBRARY.rglob("*.py")):
+    unit = _unit(_module_name(path))
+    for line, dotted in _imports(path):
+      if dotted != "agentgym_jax" and not dotted.startswith("agentgym_jax."):
+        continue
+      target = _unit(dotted)
+      if target != unit and FLOORS.get(target, 0) >= FLOORS.get(unit, 0):
+        wrong.append(f"{path.relative_to(ROOT)}:{line} imports {dotted}: {target} is on floor "
+                     f"{FLOORS.get(target)}, {unit} on floor {FLOORS.get(unit)}")
+  assert not wrong, "Imports must go down a floor (FLOORS):\n" + "\n".join(wrong)
+
+
+def test_replay_regenerates_without_the_trainer_loop():
+  """Replay reruns a step's rollouts through the rollout engine itself, not the trainer's."""
+  found = [(line, dotted) for line, dotted in _imports(LIBRARY / "replay.py")
+           if dotted == "agentgym_jax.train.loop" or dotted.startswith("agentgym_jax.train.loop.")]
+  assert not found, f"agentgym_jax/replay.py imports the trainer loop: {found}"
 
 
 def test_one_library_module_imports_environments():
   importers = sorted(str(p.relative_to(ROOT)) for p in LIBRARY.rglob("*.py")
                      if any(m == "environments" or m.startswith("environments.")
-                            for m in _imports(p)))
+                            for _, m in _imports(p)))
   assert importers == ["agentgym_jax/rollout/envs.py"]
 
 
 def test_environments_never_import_jax():
   for path in (ROOT / "environments").rglob("*.py"):
-    assert not any(m.split(".")[0] in ("jax", "flax", "agentgym_jax") for m in _imports(path)), path
-
-
-def test_evaluation_does_not_import_the_trainer():
-  """The trainer imports evaluation for its in-loop evaluation; the reverse would be a cycle
-  (policy loading and HF export live in train/sources.py and train/checkpoints.py)."""
-  text = (LIBRARY / "evaluate.py").read_text()
-  assert "agentgym_jax.train.loop" not in _imports(LIBRARY / "evaluate.py")
-  assert not re.search(r"from agentgym_jax\.train import [^\n]*\bloop\b", text)
+    assert not any(m.split(".")[0] in ("jax", "flax", "agentgym_jax")
+                   for _, m in _imports(path)), path
 
 
 def test_the_door_checks_config_env_and_names_the_served_env():

@@ -33,7 +33,7 @@ import time
 import numpy as np
 import pytest
 
-from agentgym_jax import eval_metrics
+from agentgym_jax.evaluate import eval_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CONFIG = "experiments/keypad/learn.py:runlocal"
@@ -127,12 +127,12 @@ def _metrics(workdir) -> list[dict]:
 def _policy_at(workdir, step) -> dict:
   """The checkpointed policy of `workdir` at `step`, as host arrays by parameter path."""
   import jax  # pylint: disable=import-outside-toplevel
-  from agentgym_jax.train import sources  # pylint: disable=import-outside-toplevel
+  from agentgym_jax import policies  # pylint: disable=import-outside-toplevel
   path, arg = CONFIG.split(":")
   spec = importlib.util.spec_from_file_location("multihost_config", ROOT / path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  _, params, _, _ = sources.load_policy(module.get_config(arg), str(workdir), step)
+  _, params, _, _ = policies.load_policy(module.get_config(arg), str(workdir), step)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   return {jax.tree_util.keystr(path): np.asarray(x) for path, x in flat}
 

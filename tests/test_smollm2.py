@@ -127,7 +127,8 @@ def test_smollm2_bc_then_grpo_exports_what_transformers_reloads(gguf_path, tmp_p
   directory in transformers (torch) gives the logits of our final checkpoint."""
   torch = pytest.importorskip("torch")
   from transformers import AutoModelForCausalLM, AutoTokenizer
-  from agentgym_jax.train import checkpoints, sources
+  from agentgym_jax import policies
+  from agentgym_jax.train import checkpoints
 
   config = "experiments/agentgym_rl/babyai.py:model=smollm2,runlocal"
   bc, rl = tmp_path / "bc", tmp_path / "rl"
@@ -148,7 +149,7 @@ def test_smollm2_bc_then_grpo_exports_what_transformers_reloads(gguf_path, tmp_p
   from experiments.agentgym_rl import babyai
   cfg = babyai.get_config("model=smollm2,runlocal")
   cfg.mesh = (("data", 1), ("fsdp", -1), ("tensor", 1))
-  graphdef, params, _, step = sources.load_policy(cfg, str(rl))
+  graphdef, params, _, step = policies.load_policy(cfg, str(rl))
   assert step == 2
   hf_dir = rl / checkpoints.HF_EXPORT_DIR
   tok = AutoTokenizer.from_pretrained(hf_dir)

@@ -24,6 +24,7 @@ from absl import app, flags
 
 from agentgym_jax import cli
 from agentgym_jax import multihost
+from agentgym_jax import policies
 
 cli.define_config_flag(f"Experiment config file[:arg], e.g. {cli.EXAMPLE_CONFIG}.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, exports.")
@@ -65,7 +66,7 @@ def main(argv: list[str]) -> None:
   from agentgym_jax.train import loop  # pylint: disable=import-outside-toplevel
   try:
     loop.train(config, workdir)
-  except (loop.EnvironmentFailing, loop.sources.InitFromError) as exc:
+  except (loop.EnvironmentFailing, policies.InitFromError) as exc:
     cli.fatal(str(exc))
   except Exception:
     if multi_process:

@@ -1,5 +1,5 @@
-"""Checkpoints of the train state with Orbax (keep-N, asynchronous saves, exact resume), a
-policy restored from them, and the HF export of a finished run.
+"""The trainer's checkpoints of the train state with Orbax (keep-N, asynchronous saves, exact
+resume) and the HF export of a finished run.
 
 A checkpoint holds two items: `state` (the TrainState as a plain dict of arrays: parameters,
 optimizer states, step, rng) and `meta` (JSON: the step, the task-order cursor and what a
@@ -9,6 +9,9 @@ process exits, and Orbax writes each step to a temporary directory that is renam
 complete, so a crash mid-save leaves the previous checkpoints intact. The next start finds the
 temporary directories of such interrupted saves (`interrupted`), says so and deletes them;
 older checkpoints are deleted only once a newer one is complete.
+
+They are written under WORKDIR/`policies.CHECKPOINT_DIR`, where `policies.restore_policy` reads
+a run's policy back (evaluation, replay, a warm start) without the train state around it.
 """
 
 from __future__ import annotations
@@ -23,10 +26,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from agentgym_jax.models import save_hf
+# TEMPORARY: loop.py's name until it uses `policies.CHECKPOINT_DIR`; then delete this line.
+from agentgym_jax.policies import CHECKPOINT_DIR  # pylint: disable=unused-import
 from agentgym_jax.train.state import TrainState
 
-# The checkpoints' folder inside a run's workdir.
-CHECKPOINT_DIR = "checkpoints"
 # The final policy as an HF checkpoint directory, inside a run's workdir.
 HF_EXPORT_DIR = "hf"
 _FIELDS = ("step", "rng", "policy", "opt_state", "ref", "critic", "critic_opt_state")
@@ -46,11 +49,6 @@ def _abstract(tree: Any) -> Any:
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def path_name(path: tuple) -> str:
-  """A pytree key path as "backbone/layers/0/qkv"."""
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
 def interrupted_saves(directory: str) -> list[int]:
   """The steps whose save under `directory` was started but never completed (the process was
   killed while writing them), in order."""
@@ -68,7 +66,7 @@ class Checkpointer:
     keep: checkpoints kept; older ones are deleted once a newer one is complete.
     async_save: write in a background thread (the arrays are copied first, so the update can
       donate and overwrite its buffers right away).
-    read_only: open existing checkpoints for reading only (evaluation, export).
+    read_only: open existing checkpoints for reading only (e.g. to list their steps).
 
   `interrupted` lists the steps whose save a killed process left incomplete (found when it was
   opened for writing; their temporary directories are then deleted).
@@ -130,30 +128,6 @@ class Checkpointer:
     logging.info("Restored checkpoint %d from %s.", step, self.directory)
     return state, dict(restored["meta"])
 
-  def restore_params(self, name: str, target: Any, step: int) -> Any:
-    """Restores one field of the saved state (e.g. "policy") onto `target`'s shardings.
-
-    Args:
-      name: a TrainState field.
-      target: tree of jax.ShapeDtypeStruct (with shardings) shaped like that field.
-      step: the checkpoint step.
-    """
-    restore_args = jax.tree.map(
-        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype),
-        target)
-    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item={name: target}, restore_args={name: restore_args}, partial_restore=True))
-    return self._manager.restore(step, args=args)["state"][name]
-
-  def saved_shapes(self, name: str, step: int) -> dict[str, tuple[int, ...]]:
-    """{"a/b/c": shape} of every array of field `name` (e.g. "policy") in checkpoint `step`,
-    read from its metadata without loading any array."""
-    metadata = ocp.StandardCheckpointer().metadata(
-        os.path.join(self.directory, str(step), "state"))
-    tree = dict(getattr(metadata, "item_metadata", metadata))[name]
-    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-    return {path_name(path): tuple(leaf.shape) for path, leaf in flat}
-
   def wait(self) -> None:
     """Blocks until every started save is on disk."""
     self._manager.wait_until_finished()
@@ -162,50 +136,6 @@ class Checkpointer:
     """Waits for pending saves and releases the manager."""
     self._manager.wait_until_finished()
     self._manager.close()
-
-
-def restore_policy(workdir: str, target: Any, step: int | None = None) -> tuple[Any, int]:
-  """The policy of a training run's checkpoint, placed as `target` says.
-
-  Args:
-    workdir: the run's workdir (holding CHECKPOINT_DIR).
-    target: tree of jax.ShapeDtypeStruct (with shardings) of the policy's parameters, e.g. from
-      `nnx.eval_shape` of the configured model.
-    step: checkpoint step; default the newest.
-  Returns:
-    (parameters like `target`, the step restored).
-  Raises:
-    FileNotFoundError: no checkpoint in `workdir` (the folder named).
-    ValueError: the saved policy has other shapes than `target` (the differing arrays named).
-  """
-  directory = os.path.join(workdir, CHECKPOINT_DIR)
-  if not os.path.isdir(directory):
-    raise FileNotFoundError(f"{workdir} holds no checkpoint folder {directory}; point at the "
-                            "workdir of a training run.")
-  ckpt = Checkpointer(directory, read_only=True)
-  try:
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-      raise FileNotFoundError(f"{workdir} holds no checkpoint in {directory}; point at the "
-                              "workdir of a run that saved one.")
-    _check_same_shapes(ckpt.saved_shapes("policy", step), target)
-    params = ckpt.restore_params("policy", target, step)
-  finally:
-    ckpt.close()
-  logging.info("Restored the policy of %s (step %d).", directory, step)
-  return params, step
-
-
-def _check_same_shapes(saved: dict[str, tuple[int, ...]], target: Any) -> None:
-  """Raises, naming both shapes, when a checkpoint's policy is not the configured model."""
-  flat = jax.tree_util.tree_flatten_with_path(target)[0]
-  wanted = {path_name(path): tuple(leaf.shape) for path, leaf in flat}
-  if saved == wanted:
-    return
-  differ = [f"{k}: saved {saved.get(k, 'missing')} vs config {wanted.get(k, 'missing')}"
-            for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
-  raise ValueError(f"the checkpoint holds a policy of another shape ({len(differ)} arrays "
-                   f"differ; {'; '.join(differ[:3])}); use that run's model.arch and tokenizer")
 
 
 def export_hf(policy_def: nnx.GraphDef, params: Any, tok: Any, directory: str) -> None:

@@ -1,7 +1,7 @@
-"""Evaluation metrics: Avg@n, Pass@n and Pass@k per task category, and paper-style tables.
+"""Evaluation metrics: Avg@n, Pass@n and Pass@k per task category.
 
-Pure NumPy, no JAX: the evaluation driver (`agentgym_jax.evaluate`) feeds it one score per
-episode; everything here is testable with hand-computed numbers.
+Pure NumPy, no JAX: the evaluation (`evaluate.evaluation`) feeds it one score per episode;
+everything here is testable with hand-computed numbers; `evaluate.report` prints them.
 
 Definitions follow AgentGym-RL's `main_generation` eval, for `n` samples of each of `T` tasks:
   Avg@n  = mean over all T*n episodes of the final score.
@@ -164,46 +164,6 @@ def _metrics(scores: np.ndarray, passed: np.ndarray, healthy: np.ndarray, ks: Se
   metrics["n"] = int(scores.shape[1])
   metrics["failed"] = int((~healthy).sum())
   return metrics
-
-
-def markdown_table(
-    rows: Sequence[tuple[str, Mapping[str, float]]],
-    columns: Sequence[str],
-    first_header: str = "Model",
-    scale: float = 100.0,
-    digits: int = 2,
-) -> str:
-  """A markdown table shaped like the paper's: one row per model, one column per category.
-
-  Args:
-    rows: (row label, {column: value}) pairs; a missing value prints as "-".
-    columns: column names in order (e.g. categories then "Overall").
-    first_header: header of the label column.
-    scale: multiplies every value (100 turns fractions into the paper's percentages).
-    digits: decimals printed.
-  """
-  header = [first_header, *columns]
-  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-  for label, values in rows:
-    cells = [label]
-    for column in columns:
-      value = values.get(column)
-      cells.append("-" if value is None else f"{value * scale:.{digits}f}")
-    lines.append("| " + " | ".join(cells) + " |")
-  return "\n".join(lines) + "\n"
-
-
-def summary_rows(
-    label: str, summary: Mapping[str, Mapping[str, float]], metrics: Sequence[str] = ("pass", "avg")
-) -> list[tuple[str, dict[str, float]]]:
-  """Table rows for one `summarize` result: one row per metric, labelled e.g. "model Pass@n"."""
-  names = {"pass": "Pass@{n}", "avg": "Avg@{n}"}
-  n = summary[OVERALL]["n"]
-  rows = []
-  for metric in metrics:
-    name = names.get(metric, metric.capitalize()).format(n=n)
-    rows.append((f"{label} ({name})", {column: m[metric] for column, m in summary.items()}))
-  return rows
 
 
 def _healthy(healthy: np.ndarray | None, like: np.ndarray) -> np.ndarray:

