@@ -191,7 +191,8 @@ def _worker_main(conn: mp_connection.Connection, env_spec: EnvSpec, env_kwargs: 
   send_lock = threading.Lock()
 
   def answer(call_id: int, results: list[StepOutcome]) -> None:
-    # Plain tuples pickle about 3x faster than the dataclass: it matters for cheap envs.
+    # Plain tuples pickle faster than the dataclass (benchmarks/README.md, Environment
+    # workers): it matters for cheap envs.
     reply = [(r.observation, r.reward, r.terminated, r.truncated, r.info) for r in results]
     with send_lock, contextlib.suppress(OSError):  # the parent has gone: nothing to answer
       try:

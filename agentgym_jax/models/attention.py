@@ -74,7 +74,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
 
   The G query heads sharing a kv head are folded into the query-row axis (G * T rows), so a
   few queries still make a matmul rather than a matrix-vector product per head (at T = 1 this
-  was ~1.7x faster on XLA:CPU than keeping G as a separate einsum axis).
+  was faster on XLA:CPU than keeping G as a separate einsum axis: benchmarks/README.md, Model
+  forward+backward).
 
   Args:
     q: [B, T, K, G, Dh] queries (K kv heads, G query heads each).
@@ -122,10 +123,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
 
 # Elements of one block of attention scores: 16 MB of float32. One [B, H, T, S] score tensor
 # for a whole observation chunk is tens of MB, and splitting it so that each block's scores
-# stay near the cache made an extend several times faster on XLA:CPU. Blocks take whole rows
-# first and split a row's queries only when one row's scores do not fit: rows keep the
-# matmuls G * T queries tall (an extend of B 32, T 64 at S 1024 on the 4M rollout benchmark
-# model: 850 ms in blocks of 4 queries of every row, 510-530 ms in blocks of 8 rows).
+# stay near the cache made an extend faster on XLA:CPU. Blocks take whole rows first and split
+# a row's queries only when one row's scores do not fit: rows keep the matmuls G * T queries
+# tall, which is faster than blocks of a few queries of every row (benchmarks/README.md,
+# Rollout).
 _SCORE_BLOCK = 1 << 22
 
 
@@ -146,12 +147,10 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   A decode step (T = 1) is plain `attention` over all rows at once: its G query heads per kv
   head make the matmul rows. A row's queries split into equal blocks, the last padded where
   they do not divide evenly (padded queries see no key and are dropped): 1,400 queries in 5
-  blocks of 280, where blocks dividing 1,400 by a power of two were 175 blocks of 8 (one
-  extend of 32 rows x 1,400 tokens at 1,536 slots, the rollout benchmark's 4M model: 4.2-4.4
-  s, 7.4 s before). A multiply-and-reduce over the transposed keys, with the values summed in
-  groups of 64 slots, cost about the same from 256 to 1,024 slots but fell off a cliff past
-  ~1,500 on an Intel Xeon (AVX-512): 32 decode steps of the 4M rollout benchmark model, 32
-  rows, 583 vs 2,809 ms at 1,536 slots, 787 vs 4,057 ms at 2,048.
+  blocks of 280, where blocks dividing 1,400 by a power of two would be 175 tiny blocks of 8.
+  A multiply-and-reduce over the transposed keys, with the values summed in groups of 64
+  slots, cost about the same as this from 256 to 1,024 slots but fell off a cliff past ~1,500
+  on an AVX-512 CPU. benchmarks/README.md, Rollout, has the measurements of both.
   """
   b, t, kh, g, dh = q.shape
   per_query = kh * g * k.shape[3]  # scores of one query of one row

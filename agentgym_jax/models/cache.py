@@ -2,10 +2,9 @@
 
 One buffer per layer rather than one stacked [layers, ...] array: inside a decode loop XLA:CPU
 copied a whole layer slice out of a stacked buffer for every attention call, while separate
-buffers are updated in place and read without copies (2-4x faster decode steps on the rollout
-benchmark's model, B 32, S 256-2048). Keys are stored transposed, slots last, so a decode step's
-scores q . k are a matmul that writes along contiguous slots: 2.8x faster on XLA:CPU than keys
-stored slots first (B 32, 4 kv heads, head_dim 32, 768 slots: 0.53 vs 1.51 ms per layer).
+buffers are updated in place and read without copies. Keys are stored transposed, slots last,
+so a decode step's scores q . k are a matmul that writes along contiguous slots, faster on
+XLA:CPU than keys stored slots first (benchmarks/README.md, Rollout, has both measurements).
 
 Rows fill independently: `lengths[b]` is how many slots of row b hold real tokens, so episodes
 whose turns differ in length share one batch.
@@ -117,9 +116,9 @@ class KVCache:
   def head(self) -> KVCache:
     """The first `view_len` slots as buffers of their own (live 0), to work on and write back.
 
-    Attention over a slice of longer buffers copies the slice on XLA:CPU, at every step: a
-    decode step of the rollout benchmark's 4M model at 768 of 1,152 slots took 15.4 ms, at 768
-    of 768 slots 9.8 ms. A loop copies the slots once instead (`with_head` writes them back).
+    Attention over a slice of longer buffers copies the slice on XLA:CPU, at every step
+    (benchmarks/README.md, Rollout). A loop copies the slots once instead (`with_head` writes
+    them back).
     The slots layout (TPU) reads a prefix of its slots in place: no copy there.
     """
     if self.view_len == self.max_len or self.slots_major:

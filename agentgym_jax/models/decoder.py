@@ -14,15 +14,14 @@ kernels are ordered so that the output axis splits cleanly under tensor parallel
 Every parameter carries logical axis names in its `out_sharding` metadata (`vocab`, `embed`,
 `qkv`, `heads`, `mlp`, `norm`, `head_dim`); `agentgym_jax.sharding` maps them to mesh axes.
 The training forward runs its blocks as a Python loop (unrolled) on CPU, where scanning them
-cost about a quarter of the training throughput in the project's feasibility measurements, and
-as a `lax.scan` on accelerators (`ModelConfig.layer_loop`, `_scan_blocks`); parameters are one
-array per layer either way.
+cost training throughput in the project's feasibility measurements, and as a `lax.scan` on
+accelerators (`ModelConfig.layer_loop`, `_scan_blocks`); parameters are one array per layer
+either way.
 
 The full-sequence (training) forward takes its RoPE tables as host constants, normalises the
-softmax after the value matmul and skips the key blocks above the causal diagonal. With the
-one-pass log-prob and entropy of `train.update`, these made a 3M-parameter model's float32
-forward+backward 1.09x faster on XLA:CPU in one probe (2072 -> 2260 tokens/s; losses within
-5e-7, gradients within 1e-6 of the plain forms).
+softmax after the value matmul and skips the key blocks above the causal diagonal: work outside
+the big matmuls, where a profile found XLA:CPU losing time (benchmarks/README.md, Update, has
+the measurements, with those of the one-pass log-prob and entropy of `rl.logprobs`).
 """
 
 from __future__ import annotations
@@ -55,8 +54,8 @@ def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
   """x [..., In] @ kernel [In, Out] -> [..., Out], as a 2-D matmul over flattened rows.
 
   Flattening matters for the backward pass on XLA:CPU: with x kept [B, T, In], the kernel
-  gradient contracts two axes and lowers to a transpose plus a slow generic dot (1.6x the
-  time of the flattened form in a measured [8, 256, 512] x [512, 3072] case).
+  gradient contracts two axes and lowers to a transpose plus a slow generic dot
+  (benchmarks/README.md, Model forward+backward).
   """
   out = x.reshape(-1, x.shape[-1]) @ kernel
   return out.reshape(x.shape[:-1] + kernel.shape[-1:])

@@ -8,9 +8,9 @@ mesh's data axis, or on one local device each without a mesh.
 
 Openings are prefilled once per distinct text, and the part every opening shares once in all:
 the samples of a group (GRPO, RLOO) open identically, and every episode of an environment
-starts with the same instruction (122 of the ~175 opening tokens of the rollout benchmark's
-episodes). The rows then copy those keys and values (`_copy_rows`) instead of computing them
-again: the same numbers as a prefill of every row, in a third of the work on that benchmark.
+starts with the same instruction (most of an opening's tokens: benchmarks/README.md, Rollout).
+The rows then copy those keys and values (`_copy_rows`) instead of computing them again: the
+same numbers as a prefill of every row, for a fraction of the work.
 """
 
 from __future__ import annotations

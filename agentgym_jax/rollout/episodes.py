@@ -26,10 +26,9 @@ Two schedules (`overlap_env`):
   starts its next turn as soon as its own observations are back (`EnvPool.collect`). The
   device is not idle while slow environments (a JVM, a browser, a remote server) step. It
   pays where the environments take about as long as a cohort's decoding, and costs a little
-  where they are instant, since two half batches use the device worse than one
-  (benchmarks/README.md, Rollout: 1.27-1.66x the episodes/s of lock-step with 20 ms steps,
-  0.94-1.04x with instant steps at 4M parameters, 0.67-0.84x at SmolLM2's 135M). Samples are
-  the same as in lock-step: a row's draws depend on its own key, turn and token index only.
+  where they are instant, since two half batches use the device worse than one, more so for
+  larger models (benchmarks/README.md, Rollout). Samples are the same as in lock-step: a row's
+  draws depend on its own key, turn and token index only.
 
 Episodes end when the environment terminates or truncates them, when the pool reports a fault
 (the episode is then marked failed, see rollout/trajectory.py), at `max_turns`, or when the
