@@ -8,8 +8,8 @@ environments answer at their own pace. So each process runs its share of the epi
 own devices, and the pieces meet as whole batches:
 
   share = process_share(mesh)
-  traj, stats = run_episodes(graphdef, share.local(params), ..., mesh=share.mesh,
-                             rows=share.rows(num_rows))
+  traj, stats = run_episodes((graphdef, share.local(params)), tok, pool, task_ids, settings,
+                             mesh=share.mesh, rows=share.rows(num_rows))
   host, episodes = gather_trajectory(traj, stats["episodes"], share.rows(num_rows), pad_id)
   tokens = sharding.put_global(host.tokens, rows_sharding)   # [B, L] over the whole mesh
 

@@ -56,8 +56,8 @@ from ml_collections import config_flags
 from agentgym_jax import cli
 from agentgym_jax import policies
 from agentgym_jax import sharding as sharding_lib
-from agentgym_jax.rollout import envs
-from agentgym_jax.train import checkpoints, loop, provenance, trajectories
+from agentgym_jax.rollout import RolloutSettings, envs, run_episodes
+from agentgym_jax.train import checkpoints, provenance, trajectories
 from agentgym_jax.train import state as state_lib
 
 MODES = ("batch", "episodes")
@@ -270,8 +270,10 @@ def regenerate(config: ml_collections.ConfigDict, graphdef: Any, params: Any, to
   returns the records of the rows sampled and their log-prob digests."""
   key = jax.random.wrap_key_data(np.asarray(info["rollout_key"], np.uint32))
   with envs.make_pool(config) as pool:
-    traj, stats = loop.sample_batch(config, graphdef, params, tok, pool, info["task_ids"],
-                                    info["max_turns"], key, mesh, rows)
+    settings = dataclasses.replace(RolloutSettings.from_config(config),
+                                   max_turns=info["max_turns"])
+    traj, stats = run_episodes((graphdef, params), tok, pool, info["task_ids"], settings,
+                               rng=key, mesh=mesh, rows=rows)
   host = jax.device_get(traj)
   records = trajectories.step_records(info["step"], host, stats["episodes"], tok.decode,
                                       host.batch_size)

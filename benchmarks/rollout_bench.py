@@ -18,7 +18,7 @@ Both step the same environments through the same EnvPool and run once untimed fi
 compilation, allocator warm-up). Cores: each runner uses the machine's cores its own best way.
 The reference gets 1 or 2 torch intra-op threads, whichever `generate` runs faster with at the
 time; ours splits the episodes over `--replicas` CPU devices (default: one per core, each an
-independent batch; `run_episodes(replicas=...)`). With jax 0.10, XLA:CPU still spreads a large
+independent batch; `RolloutSettings(replicas=...)`). With jax 0.10, XLA:CPU still spreads a large
 enough fusion over every core whatever the flags (a 1536x1536 matmul keeps both cores busy
 under `--xla_cpu_multi_thread_eigen=false`), so replicas pay off where the model's ops are too
 small to be split (d64) and little at 4m, where their batches share the cores. Also timed, for
@@ -61,7 +61,7 @@ import numpy as np
 import torch
 from flax import nnx
 
-from agentgym_jax.rollout import SamplingConfig, run_episodes
+from agentgym_jax.rollout import RolloutSettings, SamplingConfig, run_episodes
 from agentgym_jax.rollout.envs import DEFAULT_ACKNOWLEDGEMENT
 from agentgym_jax.tokenization import ChatTokenizer
 from environments.scripted.env import INSTRUCTION
@@ -153,11 +153,11 @@ def main():
 
     def ours(seed, grow_cache=True, replicas=1, overlap_env=False):
       start = time.perf_counter()
-      traj, stats = run_episodes(graphdef, state, tok, pool, task_ids,
-                                 group_size=args.group_size, max_turns=args.turns,
-                                 sampling=sampling, max_context=max_context, rng=seed,
-                                 grow_cache=grow_cache, replicas=replicas,
-                                 overlap_env=overlap_env)
+      settings = RolloutSettings(sampling=sampling, group_size=args.group_size,
+                                 max_turns=args.turns, max_context=max_context,
+                                 replicas=replicas, overlap_env=overlap_env,
+                                 grow_cache=grow_cache)
+      traj, stats = run_episodes((graphdef, state), tok, pool, task_ids, settings, rng=seed)
       seconds = time.perf_counter() - start
       # A random model never finds the key; SmolLM2 may, and its episodes then end early.
       assert args.model == "smollm2" or (traj.num_turns == args.turns).all(), (

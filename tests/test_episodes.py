@@ -2,6 +2,7 @@
 correctness against re-encoding, bounded compilation, stop rules, compaction, sharding."""
 
 import collections
+import dataclasses
 import json
 import os
 
@@ -13,7 +14,7 @@ from flax import nnx
 
 import environments
 from agentgym_jax.models import Decoder, ModelConfig
-from agentgym_jax.rollout import SamplingConfig, run_episodes, save_jsonl
+from agentgym_jax.rollout import RolloutSettings, SamplingConfig, run_episodes, save_jsonl
 from agentgym_jax.rollout import records as records_lib
 from agentgym_jax.rollout import sampler
 from agentgym_jax.rollout.envs import DEFAULT_ACKNOWLEDGEMENT
@@ -126,8 +127,9 @@ def test_token_exactness_against_real_env(tok, model, env_name, monkeypatch):
   graphdef, state = nnx.split(model)
   with EnvPool(env_name, num_workers=1) as pool:
     rec = Recorder(pool)
-    traj, stats = run_episodes(graphdef, state, tok, rec, task_ids, group_size=2, max_turns=3,
-                               sampling=SAMPLING, max_context=1024, rng=7, compact=False)
+    settings = RolloutSettings(sampling=SAMPLING, group_size=2, max_turns=3, max_context=1024,
+                               compact=False)
+    traj, stats = run_episodes((graphdef, state), tok, rec, task_ids, settings, rng=7)
   episodes = stats["episodes"]
   assert traj.batch_size == 4 and traj.group_id.tolist() == [0, 0, 1, 1]
   assert traj.task_id.tolist() == [task_ids[0]] * 2 + [task_ids[1]] * 2
@@ -162,8 +164,8 @@ def test_token_exactness_against_real_env(tok, model, env_name, monkeypatch):
 
 def test_sample_logprobs_match_forward_pass(tok, model):
   graphdef, state = nnx.split(model)
-  traj, _ = run_episodes(graphdef, state, tok, FakePool(), [0, 1, 2, 3], max_turns=4,
-                         sampling=SAMPLING, max_context=1024, rng=3, compact=False)
+  settings = RolloutSettings(sampling=SAMPLING, max_turns=4, max_context=1024, compact=False)
+  traj, _ = run_episodes((graphdef, state), tok, FakePool(), [0, 1, 2, 3], settings, rng=3)
   mask = np.asarray(traj.loss_mask)
   want = _forward_logprobs(model, traj)
   np.testing.assert_allclose(np.asarray(traj.sample_logprobs)[mask], want[mask], atol=1e-4)
@@ -208,8 +210,8 @@ def _greedy_without_cache(model, tok, pool, task_ids, max_turns, cap, max_contex
 
 def test_cache_matches_reencoding_every_turn(tok, model):
   graphdef, state = nnx.split(model)
-  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 2, 3, 6], max_turns=3,
-                             sampling=GREEDY, max_context=1024, rng=0, compact=False)
+  settings = RolloutSettings(sampling=GREEDY, max_turns=3, max_context=1024, compact=False)
+  traj, stats = run_episodes((graphdef, state), tok, FakePool(), [1, 2, 3, 6], settings, rng=0)
   reference = _greedy_without_cache(model, tok, FakePool(), [1, 2, 3, 6], 3,
                                     GREEDY.max_reply_tokens)
   for row, want in enumerate(reference):
@@ -228,9 +230,9 @@ def test_twenty_turns_compile_a_bounded_number_of_times(tok):
   with EnvPool("scripted", num_workers=1,
                env_kwargs=dict(max_steps=100, filler_words=8, vary_filler=True)) as pool:
     rec = Recorder(pool)
-    traj, stats = run_episodes(graphdef, state, tok, rec, [0, 1, 2, 3], max_turns=20,
-                               sampling=SamplingConfig(max_reply_tokens=8), max_context=2048,
-                               rng=1, compact=False)
+    settings = RolloutSettings(sampling=SamplingConfig(max_reply_tokens=8), max_turns=20,
+                               max_context=2048, compact=False)
+    traj, stats = run_episodes((graphdef, state), tok, rec, [0, 1, 2, 3], settings, rng=1)
   lengths = {len(tok.encode_observation(o)) for obs in rec.observations.values() for o in obs}
   assert len(lengths) >= 5  # observation chunks of many different lengths
   successes = int(np.asarray(traj.success).sum())
@@ -246,9 +248,9 @@ def test_twenty_turns_compile_a_bounded_number_of_times(tok):
 def test_stop_rules_and_rewards(tok, model):
   graphdef, state = nnx.split(model)
   # Task 1 ends after 2 turns, task 3 would need 4: the turn limit cuts it at 3.
-  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 3], group_size=2,
-                             max_turns=3, sampling=SAMPLING, max_context=1024, rng=0,
+  settings = RolloutSettings(sampling=SAMPLING, group_size=2, max_turns=3, max_context=1024,
                              compact=False)
+  traj, stats = run_episodes((graphdef, state), tok, FakePool(), [1, 3], settings, rng=0)
   assert [e.stop_reason for e in stats["episodes"]] == ["terminated"] * 2 + ["max_turns"] * 2
   assert traj.group_id.tolist() == [0, 0, 1, 1]
   assert traj.num_turns.tolist() == [2, 2, 3, 3]
@@ -290,9 +292,9 @@ class RefusingPool(FakePool):
 def test_invalid_action_reward_shapes_the_refused_turns_only(tok, model):
   graphdef, state = nnx.split(model)
   # Task 1 terminates on turn 2 (reward 0.5), task 3 is cut at turn 3 (reward 0.03 so far).
-  traj, stats = run_episodes(graphdef, state, tok, RefusingPool(), [1, 3], group_size=1,
-                             max_turns=3, sampling=SAMPLING, max_context=1024, rng=0,
+  settings = RolloutSettings(sampling=SAMPLING, group_size=1, max_turns=3, max_context=1024,
                              invalid_action_reward=-0.1)
+  traj, stats = run_episodes((graphdef, state), tok, RefusingPool(), [1, 3], settings, rng=0)
   mask, turn_index = np.asarray(traj.loss_mask), np.asarray(traj.turn_index)
   expected_turns = [[0.01 - 0.1, 0.49], [0.01 - 0.1, 0.01, 0.01 - 0.1]]
   for row, expected in enumerate(expected_turns):
@@ -337,9 +339,9 @@ def test_turn_anchors_group_exactly_the_turns_that_acted_from_one_state(tok, mod
     return ({(a, b) for a in items for b in items if anchors[a] == anchors[b]},
             {(a, b) for a in items for b in items if states[a] == states[b]})
 
+  settings = RolloutSettings(sampling=SAMPLING, group_size=2, max_turns=3, max_context=1024)
   # Without a state key the anchor is the observation text the turn answered.
-  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 3, 2], group_size=2,
-                             max_turns=3, sampling=SAMPLING, max_context=1024, rng=0)
+  traj, stats = run_episodes((graphdef, state), tok, FakePool(), [1, 3, 2], settings, rng=0)
   anchors = np.asarray(traj.turn_anchors)
   assert anchors.shape[1] >= 3
   texts = {(b, k): e.messages[2 + 2 * k]["content"]
@@ -350,8 +352,8 @@ def test_turn_anchors_group_exactly_the_turns_that_acted_from_one_state(tok, mod
     assert (anchors[b, e.num_turns:] == -1).all()
 
   # With one, the key decides, not the words.
-  traj, stats = run_episodes(graphdef, state, tok, KeyedPool(), [1, 3, 2, 6], group_size=2,
-                             max_turns=3, sampling=SAMPLING, max_context=1024, rng=0)
+  traj, stats = run_episodes((graphdef, state), tok, KeyedPool(), [1, 3, 2, 6], settings,
+                             rng=0)
   anchors = np.asarray(traj.turn_anchors)
   keys = {(b, k): KeyedPool.key(e.task_id, k)
           for b, e in enumerate(stats["episodes"]) for k in range(e.num_turns)}
@@ -366,22 +368,24 @@ def test_context_limit_truncates(tok, model):
                                     {"role": "assistant", "content": DEFAULT_ACKNOWLEDGEMENT},
                                     {"role": "user", "content": "Task 3 begins."}]))
   limit = opening + 60
-  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [3, 3, 3, 3], max_turns=10,
-                             sampling=SAMPLING, max_context=limit, rng=0, compact=False)
+  settings = RolloutSettings(sampling=SAMPLING, max_turns=10, max_context=limit, compact=False)
+  traj, stats = run_episodes((graphdef, state), tok, FakePool(), [3, 3, 3, 3], settings, rng=0)
   assert [e.stop_reason for e in stats["episodes"]] == ["context"] * 4
   assert traj.truncated.all() and not traj.terminated.any()
   assert (np.asarray(traj.valid).sum(1) <= limit).all()
   # An opening that leaves no room for a reply ends before the first turn.
-  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [3], max_turns=10,
-                             sampling=SAMPLING, max_context=opening, rng=0)
+  settings = RolloutSettings(sampling=SAMPLING, max_turns=10, max_context=opening)
+  traj, stats = run_episodes((graphdef, state), tok, FakePool(), [3], settings, rng=0)
   assert traj.num_turns.tolist() == [0] and not np.asarray(traj.loss_mask).any()
 
 
 def test_compaction_and_sharding_do_not_change_samples(tok, model, monkeypatch):
   graphdef, state = nnx.split(model)
   # Two episodes end after one turn, so the batch shrinks from 4 rows to 2.
-  run = lambda **kw: run_episodes(graphdef, state, tok, FakePool(), [0, 1, 4, 5], max_turns=2,
-                                  sampling=SAMPLING, max_context=1024, rng=11, **kw)[0]
+  settings = RolloutSettings(sampling=SAMPLING, max_turns=2, max_context=1024)
+  run = lambda mesh=None, **kw: run_episodes((graphdef, state), tok, FakePool(), [0, 1, 4, 5],
+                                             dataclasses.replace(settings, **kw), rng=11,
+                                             mesh=mesh)[0]
   plain = run(compact=False)
   calls = _spy_decode(monkeypatch)
   compacted = run(compact=True)
@@ -426,8 +430,8 @@ def test_each_replica_keeps_its_own_lockstep(tok, model, monkeypatch):
       return super().step(slots, responses)
 
   # Task 3 lasts 4 turns: all four episodes run both turns, two on each replica.
-  _, stats = run_episodes(graphdef, state, tok, Pool(), [3, 3, 3, 3], max_turns=2,
-                          sampling=SAMPLING, max_context=1024, rng=0, replicas=2)
+  settings = RolloutSettings(sampling=SAMPLING, max_turns=2, max_context=1024, replicas=2)
+  _, stats = run_episodes((graphdef, state), tok, Pool(), [3, 3, 3, 3], settings, rng=0)
   first, second = (("decode", d.id) for d in jax.local_devices()[:2])
   assert events == [first, second, ("step", (0, 1)), first, ("step", (2, 3)), second,
                     ("step", (0, 1)), ("step", (2, 3))]
@@ -436,9 +440,9 @@ def test_each_replica_keeps_its_own_lockstep(tok, model, monkeypatch):
 
 def test_overlapped_env_steps_sample_what_lockstep_samples(tok, model, monkeypatch):
   graphdef, state = nnx.split(model)
-  run = lambda pool, **kw: run_episodes(graphdef, state, tok, pool, [0, 1, 2, 3, 5, 6],
-                                        group_size=2, max_turns=3, sampling=SAMPLING,
-                                        max_context=1024, rng=3, **kw)
+  settings = RolloutSettings(sampling=SAMPLING, group_size=2, max_turns=3, max_context=1024)
+  run = lambda pool, **kw: run_episodes((graphdef, state), tok, pool, [0, 1, 2, 3, 5, 6],
+                                        dataclasses.replace(settings, **kw), rng=3)
   lockstep, lock_stats = run(FakePool())
   assert len(lock_stats["turn_seconds"]) == 3
   overlapped, stats = run(FakePool(), overlap_env=True)
@@ -471,8 +475,9 @@ def test_overlapped_env_steps_sample_what_lockstep_samples(tok, model, monkeypat
 
 def test_rows_run_a_share_of_the_batch_with_its_keys_and_groups(tok, model):
   graphdef, state = nnx.split(model)
-  run = lambda **kw: run_episodes(graphdef, state, tok, FakePool(), [0, 1, 4], group_size=2,
-                                  max_turns=2, sampling=SAMPLING, max_context=1024, rng=5, **kw)
+  settings = RolloutSettings(sampling=SAMPLING, group_size=2, max_turns=2, max_context=1024)
+  run = lambda rows=None: run_episodes((graphdef, state), tok, FakePool(), [0, 1, 4], settings,
+                                       rng=5, rows=rows)
   whole, _ = run()
   # A multi-host process's share: rows 3..5 of the 6, alone in their own batch.
   part, stats = run(rows=[3, 4, 5])
@@ -487,8 +492,9 @@ def test_rows_run_a_share_of_the_batch_with_its_keys_and_groups(tok, model):
 
 def test_replicas_must_fit_the_devices(tok, model):
   graphdef, state = nnx.split(model)
-  run = lambda **kw: run_episodes(graphdef, state, tok, FakePool(), [0, 1], max_turns=1,
-                                  sampling=SAMPLING, max_context=1024, **kw)
+  settings = RolloutSettings(sampling=SAMPLING, max_turns=1, max_context=1024)
+  run = lambda mesh=None, **kw: run_episodes((graphdef, state), tok, FakePool(), [0, 1],
+                                             dataclasses.replace(settings, **kw), mesh=mesh)
   with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
     run(replicas=len(jax.local_devices()) + 1)
   mesh = make_mesh([("data", -1), ("fsdp", 1), ("tensor", 1)], devices=jax.devices()[:4])
@@ -503,8 +509,8 @@ def test_replicas_must_fit_the_devices(tok, model):
 
 def test_save_jsonl(tok, model, tmp_path):
   graphdef, state = nnx.split(model)
-  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 2, 1, 2], max_turns=3,
-                             sampling=SAMPLING, max_context=1024, rng=0, compact=False)
+  settings = RolloutSettings(sampling=SAMPLING, max_turns=3, max_context=1024, compact=False)
+  traj, stats = run_episodes((graphdef, state), tok, FakePool(), [1, 2, 1, 2], settings, rng=0)
   path = tmp_path / "traj.jsonl"
   save_jsonl(str(path), traj, tok.decode, stats["episodes"])
   save_jsonl(str(path), traj, tok.decode, stats["episodes"], append=True)
@@ -531,8 +537,8 @@ def test_save_jsonl(tok, model, tmp_path):
 
 def test_saved_training_step_has_per_token_advantages_and_values(tok, model, tmp_path):
   graphdef, state = nnx.split(model)
-  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 2, 1, 2], max_turns=3,
-                             sampling=SAMPLING, max_context=1024, rng=0, compact=False)
+  settings = RolloutSettings(sampling=SAMPLING, max_turns=3, max_context=1024, compact=False)
+  traj, stats = run_episodes((graphdef, state), tok, FakePool(), [1, 2, 1, 2], settings, rng=0)
   rng = np.random.default_rng(0)
   advantages = rng.normal(size=traj.tokens.shape).astype(np.float32)
   values = rng.normal(size=traj.tokens.shape).astype(np.float32)
@@ -561,8 +567,8 @@ def test_saved_step_is_written_whole_or_not_at_all(tok, model, tmp_path, monkeyp
   """A write that fails part-way (a crash, a full disk) leaves the step's earlier file whole
   and no temporary file behind."""
   graphdef, state = nnx.split(model)
-  traj, stats = run_episodes(graphdef, state, tok, FakePool(), [1, 2], max_turns=3,
-                             sampling=SAMPLING, max_context=1024, rng=0)
+  settings = RolloutSettings(sampling=SAMPLING, max_turns=3, max_context=1024)
+  traj, stats = run_episodes((graphdef, state), tok, FakePool(), [1, 2], settings, rng=0)
   path = trajectories.save_step(str(tmp_path), 4, traj, stats["episodes"], tok.decode, 2)
   whole = open(path).read()
   dumps = json.dumps
@@ -584,8 +590,8 @@ def test_saved_step_is_written_whole_or_not_at_all(tok, model, tmp_path, monkeyp
 def test_on_ended_counts_every_episode_once_as_it_ends(tok, model):
   graphdef, state = nnx.split(model)
   told = []
-  _, stats = run_episodes(graphdef, state, tok, FakePool(), [0, 1, 2, 3], group_size=2,
-                          max_turns=3, sampling=SAMPLING, max_context=1024, rng=0,
+  settings = RolloutSettings(sampling=SAMPLING, group_size=2, max_turns=3, max_context=1024)
+  _, stats = run_episodes((graphdef, state), tok, FakePool(), [0, 1, 2, 3], settings, rng=0,
                           on_ended=told.append)
   ended_at = collections.Counter(e.num_turns for e in stats["episodes"])
   # After the openings (none ends there), then after turns 1-3: task k lasts k % 4 + 1 turns,
@@ -596,6 +602,34 @@ def test_on_ended_counts_every_episode_once_as_it_ends(tok, model):
 def test_bad_arguments(tok, model):
   graphdef, state = nnx.split(model)
   with pytest.raises(ValueError, match="at least one task"):
-    run_episodes(graphdef, state, tok, FakePool(), [], max_turns=2)
+    run_episodes((graphdef, state), tok, FakePool(), [], RolloutSettings(max_turns=2))
   with pytest.raises(ValueError, match="must be >= 1"):
-    run_episodes(graphdef, state, tok, FakePool(), [0], max_turns=0)
+    RolloutSettings(max_turns=0)
+  with pytest.raises(ValueError, match="must be >= 1"):
+    RolloutSettings(group_size=0)
+  with pytest.raises(ValueError, match="history_turns must be >= 0"):
+    RolloutSettings(history_turns=-1)
+
+
+def test_settings_from_config_map_every_field():
+  from agentgym_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
+  config = config_lib.base_config()
+  config.rollout.temperature, config.rollout.top_p, config.rollout.top_k = 0.7, 0.9, 40
+  config.rollout.max_reply_tokens, config.rollout.max_context = 33, 1234
+  config.rollout.replicas, config.rollout.history_turns = 3, 5
+  config.rollout.overlap_env = True
+  config.data.group_size = 6
+  config.env.system_prompt, config.env.invalid_action_reward = "Be brief.", -0.25
+  config.schedule.kind, config.schedule.horizons = "scaling_inter", (7, 11)
+  settings = RolloutSettings.from_config(config)
+  assert settings == RolloutSettings(
+      sampling=SamplingConfig(temperature=0.7, top_p=0.9, top_k=40, max_reply_tokens=33),
+      group_size=6, max_turns=7, max_context=1234, system_prompt="Be brief.", replicas=3,
+      history_turns=5, overlap_env=True, invalid_action_reward=-0.25)
+  # Only what the config does not set keeps its default; an empty system prompt is None.
+  config.env.system_prompt = ""
+  assert RolloutSettings.from_config(config).system_prompt is None
+  defaults = RolloutSettings()
+  assert (settings.acknowledgement, settings.max_chunk, settings.compact,
+          settings.grow_cache) == (defaults.acknowledgement, defaults.max_chunk,
+                                   defaults.compact, defaults.grow_cache)

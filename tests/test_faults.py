@@ -26,7 +26,7 @@ from flax import nnx
 from agentgym_jax import evaluate
 from agentgym_jax.models import Decoder, ModelConfig
 from agentgym_jax.rl import advantages
-from agentgym_jax.rollout import SamplingConfig, envs, run_episodes
+from agentgym_jax.rollout import RolloutSettings, SamplingConfig, envs, run_episodes
 from agentgym_jax.tokenization import ChatTokenizer
 from agentgym_jax.train import config as base
 from agentgym_jax.train import metrics as metrics_lib
@@ -78,9 +78,10 @@ def test_failed_episodes_train_nothing_and_stay_out_of_the_group_baselines(tok, 
   graphdef, state = nnx.split(model)
   with EnvPool(CounterEnv, num_workers=4, timeout_s=30.0) as pool, \
        caplog.at_level(logging.WARNING):
-    traj, stats = run_episodes(graphdef, state, tok, ScriptedActions(pool, actions),
-                               [0, 5, 10], group_size=4, max_turns=1,
-                               sampling=SamplingConfig(max_reply_tokens=4), max_context=256)
+    settings = RolloutSettings(sampling=SamplingConfig(max_reply_tokens=4), group_size=4,
+                               max_turns=1, max_context=256)
+    traj, stats = run_episodes((graphdef, state), tok, ScriptedActions(pool, actions),
+                               [0, 5, 10], settings)
   traj = jax.device_get(traj)
   failed = [0, 1, 4, 8, 9, 10]
   assert np.flatnonzero(traj.failed).tolist() == failed

@@ -14,7 +14,7 @@ from agentgym_jax.models import Decoder, ModelConfig
 from agentgym_jax.rl import advantages
 from agentgym_jax.rl import logprobs as logprobs_lib
 from agentgym_jax.rl.algorithm import AlgorithmSpec
-from agentgym_jax.rollout import SamplingConfig, run_episodes, window
+from agentgym_jax.rollout import RolloutSettings, SamplingConfig, run_episodes, window
 from agentgym_jax.rollout import batch as batch_lib
 from agentgym_jax.rollout import episodes as episodes_lib
 from agentgym_jax.rollout.records import segments
@@ -110,9 +110,9 @@ def _spy_contexts(monkeypatch):
 
 def _run(tok, model, k, tasks=(5, 3, 6, 1), max_turns=6, max_context=1024, **kw):
   graphdef, state = nnx.split(model)
-  return run_episodes(graphdef, state, tok, LongPool(), list(tasks), max_turns=max_turns,
-                      sampling=SAMPLING, max_context=max_context, rng=4, compact=False,
-                      history_turns=k, **kw)
+  settings = RolloutSettings(sampling=SAMPLING, max_turns=max_turns, max_context=max_context,
+                             history_turns=k, compact=False, **kw)
+  return run_episodes((graphdef, state), tok, LongPool(), list(tasks), settings, rng=4)
 
 
 def test_context_span_is_the_opening_and_the_last_k_turns():
@@ -234,6 +234,6 @@ def test_per_turn_rows_give_the_packed_loss_when_the_window_covers_the_episode(t
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_negative_history_turns_is_refused(tok, model):
+def test_negative_history_turns_is_refused():
   with pytest.raises(ValueError, match="history_turns must be >= 0"):
-    _run(tok, model, -1)
+    RolloutSettings(history_turns=-1)
