@@ -87,8 +87,7 @@ def _batch_major(mesh: Mesh, x: np.ndarray) -> np.ndarray:
   sharding P(BATCH_AXES) (data-major), the other axes in mesh order."""
   batch = [mesh.axis_names.index(a) for a in sharding_lib.BATCH_AXES if a in mesh.axis_names]
   rest = [i for i in range(x.ndim) if i not in batch]
-  rows = math.prod(x.shape[i] for i in batch)
-  return x.transpose(batch + rest).reshape(rows, -1)
+  return x.transpose(batch + rest).reshape(sharding_lib.data_parallel_size(mesh), -1)
 
 
 def _check_rows_unique(mesh: Mesh, owner: np.ndarray) -> None:
