@@ -62,7 +62,7 @@ from agentgym_jax.models.value import ValueModel
 from agentgym_jax.rl.algorithm import AlgorithmSpec
 from agentgym_jax.rollout import sampler
 from agentgym_jax.rollout.trajectory import bucket_length
-from agentgym_jax.train import loop
+from agentgym_jax.train import batches
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import update as update_lib
 from agentgym_jax.tpus import GiB, Slice
@@ -126,7 +126,7 @@ class Run:
     """The mesh, algorithm and abstract train state of `config` on `devices`."""
     cfg = model_config(config)
     mesh = sharding_lib.make_mesh(config.mesh, devices)
-    loop.check_batch_layout(config, mesh)  # the trainer's own start-up check
+    batches.check_layout(config, mesh)  # the trainer's own start-up check
     update_cfg = update_lib.UpdateConfig.from_config(config)
     spec = update_cfg.algo
     policy = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
@@ -157,8 +157,10 @@ class Run:
     shape = (self.rows, self.length)
     array = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
     floats = array(jnp.float32)
-    return update_lib.build_batch(self.spec, array(jnp.int32), array(jnp.bool_),
-                                  array(jnp.bool_), floats, floats, floats, floats, floats)
+    return update_lib.build_batch(
+        self.spec, tokens=array(jnp.int32), valid=array(jnp.bool_), loss_mask=array(jnp.bool_),
+        old_logprobs=floats, advantages=floats, ref_logprobs=floats, returns=floats,
+        values=floats, rollout_logprobs=floats)
 
 
 # ----- FLOPs by formula ---------------------------------------------------------------------

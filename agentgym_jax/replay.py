@@ -51,7 +51,6 @@ import jax
 import ml_collections
 import numpy as np
 from absl import app, flags
-from ml_collections import config_flags
 
 from agentgym_jax import cli
 from agentgym_jax import policies

@@ -1,14 +1,12 @@
 """Behaviour cloning: the loss sees only agent tokens, demonstrations follow the runner's token
 layout and the expert exactly, the cache round-trips and recovers, warm starts check shapes."""
 
-import json
 import logging
 import os
 import random
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx

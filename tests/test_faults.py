@@ -8,7 +8,6 @@ the others drive the trainer's command line in subprocesses, as tests/test_train
 """
 
 import dataclasses
-import json
 import logging
 import os
 import signal

@@ -103,13 +103,15 @@ def test_policy_loss_is_weighted_token_by_token():
 
 def test_build_batch_carries_the_sampler_logprobs_only_with_tis():
   z = jnp.zeros((2, 3))
-  off = update_lib.build_batch(_update_config().algo, z, z, z, z, z, z, z, z)
+  fields = dict(tokens=z, valid=z, loss_mask=z, old_logprobs=z, advantages=z, ref_logprobs=z,
+                returns=z, values=z)
+  off = update_lib.build_batch(_update_config().algo, **fields)
   assert "rollout_logprobs" not in off
-  on = update_lib.build_batch(_update_config(tis_cap=2.0).algo, z, z, z, z, z, z, z, z,
+  on = update_lib.build_batch(_update_config(tis_cap=2.0).algo, **fields,
                               rollout_logprobs=z + 1)
   np.testing.assert_array_equal(on["rollout_logprobs"], 1.0)
-  with pytest.raises(ValueError, match="needs the sampler's log-probs"):
-    update_lib.build_batch(_update_config(tis_cap=2.0).algo, z, z, z, z, z, z, z, z)
+  with pytest.raises(ValueError, match=r"\['rollout_logprobs'\]"):
+    update_lib.build_batch(_update_config(tis_cap=2.0).algo, **fields)
 
 
 # ----------------------------------------------------------------------- overlong episodes

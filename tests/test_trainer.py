@@ -24,7 +24,7 @@ from agentgym_jax import sharding
 from agentgym_jax.models import save_hf
 from agentgym_jax.rl.algorithm import ALGORITHMS
 from agentgym_jax.train import config as base
-from agentgym_jax.train import data, loop, sources
+from agentgym_jax.train import batches, data, loop, sources
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "experiments/keypad/learn.py:runlocal"
@@ -221,14 +221,14 @@ def test_batch_layout_is_checked_before_anything_runs():
   c.data.batch_tasks, c.data.group_size = 3, 2
   c.algo.minibatches, c.algo.microbatches = 2, 2
   with pytest.raises(ValueError, match="6 rows per step must be divisible"):
-    loop.check_batch_layout(c, sharding.make_mesh(c.mesh))
+    batches.check_layout(c, sharding.make_mesh(c.mesh))
   c.algo.minibatches, c.algo.microbatches = 1, 1
   c.data.batch_tasks, c.data.group_size = 8, 1
   c.rollout.replicas = 3  # the default mesh puts all 8 test devices on the data axis
   with pytest.raises(ValueError, match="rollout.replicas: replicas=3 must divide the mesh's data"):
-    loop.check_batch_layout(c, sharding.make_mesh(c.mesh))
+    batches.check_layout(c, sharding.make_mesh(c.mesh))
   c.rollout.replicas = 4
-  loop.check_batch_layout(c, sharding.make_mesh(c.mesh))
+  batches.check_layout(c, sharding.make_mesh(c.mesh))
 
 
 def test_bpe_tokenizer_is_trained_once_and_reused_from_the_workdir(tmp_path):

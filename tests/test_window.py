@@ -206,8 +206,9 @@ def _layout_loss(model, moved, traj, rows, loss_agg_mode):
   cfg = update_lib.UpdateConfig(algo=AlgorithmSpec.from_config(c), epochs=1, minibatches=1,
                                 microbatches=1, temperature=1.0)
   micro = update_lib.build_batch(
-      cfg.algo, trained.tokens, trained.valid, trained.loss_mask, old, adv, None, None, None,
-      None if rows is None else rows.episode_tokens)
+      cfg.algo, tokens=trained.tokens, valid=trained.valid, loss_mask=trained.loss_mask,
+      old_logprobs=old, advantages=adv,
+      seq_tokens=None if rows is None else rows.episode_tokens)
   den = update_lib.losses.aggregation_denominator(trained.loss_mask, loss_agg_mode,
                                                   seq_tokens=micro.get("seq_tokens"))
   loss_fn = functools.partial(update_lib.policy_loss, graphdef=graphdef, cfg=cfg)

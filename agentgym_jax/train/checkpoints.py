@@ -26,8 +26,6 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from agentgym_jax.models import save_hf
-# TEMPORARY: loop.py's name until it uses `policies.CHECKPOINT_DIR`; then delete this line.
-from agentgym_jax.policies import CHECKPOINT_DIR  # pylint: disable=unused-import
 from agentgym_jax.train.state import TrainState
 
 # The final policy as an HF checkpoint directory, inside a run's workdir.

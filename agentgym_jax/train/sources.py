@@ -14,8 +14,6 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from agentgym_jax import sharding as sharding_lib
-# TEMPORARY: loop.py's names until it calls `policies.` itself; then delete this line.
-from agentgym_jax.policies import build_policy, load_tokenizer  # pylint: disable=unused-import
 from agentgym_jax.models import Decoder, ValueModel
 from agentgym_jax.rollout import demonstrations as demos_lib
 from agentgym_jax.rollout import envs

@@ -46,6 +46,11 @@ class TrainState:
   critic_opt_state: optax.OptState | None = None
 
 
+# The random streams of a trainer step (`step_key`); evaluations use `evaluate.eval_key`.
+ROLLOUT_STREAM = 0
+UPDATE_STREAM = 1
+
+
 def step_key(rng: jax.Array, step: jax.Array | int, stream: int) -> jax.Array:
   """The key of stream `stream` (rollout, update, ...) at trainer step `step`, from the
   state's raw key data `rng`: fold_in(fold_in(key, step), stream), inside jit or out."""
@@ -192,3 +197,17 @@ def split_models(policy: nnx.Module, critic: nnx.Module | None, *, keep_referenc
       keep_reference=keep_reference, optimizers=optimizers, policy=policy_params,
       critic=critic_params, mesh=mesh)
   return Split(policy_def, critic_def, policy_params, critic_params, shardings)
+
+
+def create(config: ml_collections.ConfigDict, policy: nnx.Module, critic: nnx.Module | None, *,
+           keep_reference: bool, mesh: Mesh) -> tuple[TrainState, Split, Optimizers]:
+  """Step 0 of a run: the train state built from the models (sharded on `mesh`), the split
+  without its parameters (graphdefs and the state's shardings: the state owns the
+  parameters), and the optimizers of `config.optim`."""
+  optimizers = Optimizers.from_config(config, with_critic=critic is not None)
+  split = split_models(policy, critic, keep_reference=keep_reference, optimizers=optimizers,
+                       mesh=mesh)
+  state = init_train_state(policy=split.policy, critic=split.critic,
+                           keep_reference=keep_reference, optimizers=optimizers,
+                           seed=config.seed, shardings=split.shardings)
+  return state, dataclasses.replace(split, policy=None, critic=None), optimizers

@@ -44,10 +44,7 @@ from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import logprobs as logprobs_lib
 from agentgym_jax.rl import losses
 from agentgym_jax.rl.algorithm import AlgorithmSpec
-from agentgym_jax.train.state import Optimizers, Params, TrainState, step_key
-
-# Stream ids folded into the step key, so rollout, update and evaluation never share numbers.
-UPDATE_STREAM = 1
+from agentgym_jax.train.state import UPDATE_STREAM, Optimizers, Params, TrainState, step_key
 
 
 class Batch(TypedDict, total=False):
@@ -72,27 +69,38 @@ class Batch(TypedDict, total=False):
   rollout_logprobs: jax.Array
 
 
-def build_batch(spec: AlgorithmSpec, tokens: jax.Array, valid: jax.Array, loss_mask: jax.Array,
-                old_logprobs: jax.Array, advantages: jax.Array, ref_logprobs: jax.Array,
-                returns: jax.Array, values: jax.Array, seq_tokens: jax.Array | None = None,
+def build_batch(spec: AlgorithmSpec, *, tokens: jax.Array, valid: jax.Array,
+                loss_mask: jax.Array, old_logprobs: jax.Array | None = None,
+                advantages: jax.Array | None = None, ref_logprobs: jax.Array | None = None,
+                returns: jax.Array | None = None, values: jax.Array | None = None,
+                seq_tokens: jax.Array | None = None,
                 rollout_logprobs: jax.Array | None = None) -> Batch:
   """The batch of the update step, holding exactly the fields `spec` trains with (and
-  `seq_tokens` when the rows are per-turn rows).
+  `seq_tokens` when the rows are per-turn rows); all [R, L] but seq_tokens [R].
 
-  Raises ValueError when truncated importance sampling is on without `rollout_logprobs`."""
-  batch = Batch(tokens=tokens, valid=valid, loss_mask=loss_mask, old_logprobs=old_logprobs,
-                advantages=advantages)
+  Behaviour cloning (cross-entropy) reads tokens, valid and loss_mask only: old_logprobs and
+  advantages are then zeros when not given.
+
+  Raises ValueError when a field the algorithm trains with is missing (e.g. truncated
+  importance sampling without `rollout_logprobs`)."""
+  rl = spec.policy_loss != "cross_entropy"
+  zeros = lambda: jnp.zeros(tokens.shape, jnp.float32, device=tokens.sharding)
+  trained = {"old_logprobs": old_logprobs if rl else zeros(),
+             "advantages": advantages if rl else zeros()}
+  if spec.kl_in_loss:
+    trained["ref_logprobs"] = ref_logprobs
+  if spec.use_critic:
+    trained.update(returns=returns, old_values=values)
+  if spec.tis_cap > 0:
+    trained["rollout_logprobs"] = rollout_logprobs
+  missing = [name for name, x in trained.items() if x is None]
+  if missing:
+    raise ValueError(f"build_batch: {spec.estimator or spec.policy_loss} with these options "
+                     f"trains with {missing}; pass them (rollout_logprobs is "
+                     "Trajectory.sample_logprobs, old_values the critic's values).")
+  batch = Batch(tokens=tokens, valid=valid, loss_mask=loss_mask, **trained)
   if seq_tokens is not None:
     batch["seq_tokens"] = seq_tokens
-  if spec.kl_in_loss:
-    batch["ref_logprobs"] = ref_logprobs
-  if spec.use_critic:
-    batch.update(returns=returns, old_values=values)
-  if spec.tis_cap > 0:
-    if rollout_logprobs is None:
-      raise ValueError("algo.tis_cap > 0 needs the sampler's log-probs: pass rollout_logprobs "
-                       "(Trajectory.sample_logprobs) to build_batch.")
-    batch["rollout_logprobs"] = rollout_logprobs
   return batch
 
 

@@ -43,7 +43,6 @@ class ScriptedEnv(TextEnv):
 
   name = "scripted"
   instruction = INSTRUCTION
-  acknowledgement = "OK. I'll follow your instructions and try my best to solve the task."
 
   def __init__(self, reward_mode: str = "normalized", max_steps: int = 3,
                filler_words: int = 0, vary_filler: bool = False, step_latency_s: float = 0.0):

@@ -1,0 +1,301 @@
+"""A training step's batch, one function per mode: `rl_batch` (rollout, scoring, advantages)
+and `bc_batch` (the expert's demonstrations). The trainer picks one per run and calls it every
+step; each returns a `StepBatch`: the update's batch and what the step logs and saves of it.
+
+Layouts: the update trains one packed row per episode, or with a history window
+(`rollout.history_turns`) one row per turn holding the context the model saw
+(rollout/window.py). Advantages are computed on the packed episodes either way, every estimator
+(group, turn-level and critic ones) included: log-probs and values scored on the per-turn rows
+are moved to their tokens in the episodes' rows, and the advantages and returns back. A
+group's episodes, a turn's place in its episode and the critic's successive states (each the
+context a turn was sampled in) are then what the estimator sees, and each episode counts once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from agentgym_jax import multihost
+from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.rl import advantages as advantages_lib, algorithm
+from agentgym_jax.rl import dynamic_sampling, overlong as overlong_lib
+from agentgym_jax.rollout import RolloutSettings, build_trajectory, run_episodes, window
+from agentgym_jax.rollout.batch import replica_meshes
+from agentgym_jax.train import metrics as metrics_lib, provenance
+from agentgym_jax.train import state as state_lib
+from agentgym_jax.train import update as update_lib
+from agentgym_jax.train.data import TaskStream
+
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+  """What a run's step batches are made from: built once, before the first step.
+
+  scorers: `update.make_scorers`' (log-probs, values or None); advantages: the jitted
+  estimator of `algorithm.make_advantage_fn` (None in behaviour cloning); demos: the expert's
+  episodes (behaviour cloning; the task stream then runs over their indices).
+  """
+
+  config: ml_collections.ConfigDict
+  update: update_lib.UpdateConfig
+  tok: Any
+  pool: Any
+  stream: TaskStream
+  mesh: Mesh
+  share: multihost.ProcessShare
+  policy_def: nnx.GraphDef
+  rollout: RolloutSettings
+  scorers: tuple[Callable, Callable | None] | None = None
+  advantages: Callable | None = None
+  demos: Sequence[Any] = ()
+
+  @property
+  def spec(self) -> algorithm.AlgorithmSpec:
+    return self.update.algo
+
+  @property
+  def rows(self) -> int:
+    return self.config.data.batch_tasks * self.config.data.group_size
+
+  def put(self, x: Any) -> jax.Array:
+    """A host array as a global array, rows over the mesh's batch axes."""
+    return sharding_lib.put_global(np.asarray(x),
+                                   NamedSharding(self.mesh, P(sharding_lib.BATCH_AXES)))
+
+
+@dataclasses.dataclass
+class StepBatch:
+  """One step's batch and what is logged and saved of it.
+
+  batch: the update's (`update.Batch`), global arrays.
+  host: the packed episodes (`Trajectory` [B, L]) as host arrays.
+  episodes: their records (`Episode`), rows in order.
+  cursor: the task stream's position after this step's draws.
+  trained_tokens: the valid tokens of the update's rows (per epoch).
+  metrics: episode statistics, rollout throughput, diagnostics and `time/` of the phases
+    before the update.
+  per_token: [B, L] arrays saved with the step's trajectories (advantages, values).
+  replay: what regenerates the step's episodes (`provenance.step_provenance`), when saved.
+  """
+
+  batch: update_lib.Batch
+  host: Any
+  episodes: list[Any]
+  cursor: int
+  trained_tokens: int
+  metrics: dict[str, float]
+  per_token: dict[str, Any] = dataclasses.field(default_factory=dict)
+  replay: dict[str, Any] | None = None
+
+
+def row_multiple(config: ml_collections.ConfigDict, mesh: Mesh) -> int:
+  """What the update's row count must be a multiple of: minibatches x microbatches x
+  data-parallel devices (per-turn rows are padded to one)."""
+  return (config.algo.minibatches * config.algo.microbatches
+          * sharding_lib.data_parallel_size(mesh))
+
+
+def check_layout(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
+  """Fails early, with the numbers, when the rows of a step cannot be split as configured."""
+  rows = config.data.batch_tasks * config.data.group_size
+  if rows % row_multiple(config, mesh):
+    raise ValueError(
+        f"data.batch_tasks x data.group_size = {rows} rows per step must be divisible by "
+        f"algo.minibatches x algo.microbatches x data-parallel devices = "
+        f"{config.algo.minibatches} x {config.algo.microbatches} x "
+        f"{sharding_lib.data_parallel_size(mesh)}; change one of them.")
+  try:
+    replica_meshes(mesh, config.rollout.replicas)
+  except ValueError as exc:
+    raise ValueError(f"rollout.replicas: {exc}") from exc
+
+
+def _layouts(rows: window.TurnRows | None, put: Callable, shape: tuple[int, int]
+             ) -> tuple[Callable, Callable]:
+  """(to the packed episodes [B, L], to the update's rows): how per-token arrays move between
+  the layouts; identities when the update trains the packed rows (`rows` None)."""
+  if rows is None:
+    return (lambda x: x), (lambda x: x)
+  episode, source = put(rows.episode), put(rows.source)
+  return (lambda x: window.to_packed(x, episode, source, shape),
+          lambda x: window.to_rows(x, episode, source))
+
+
+def _trained_rows(inputs: StepInputs, host: Any) -> tuple[Any, window.TurnRows | None]:
+  """The update's rows: the packed episodes, or with a history window one row per turn, its
+  context as the model saw it (rollout/window.py)."""
+  history = inputs.config.rollout.history_turns
+  if not history:
+    return host, None
+  turn_rows = window.build_turn_rows(host, history, inputs.tok.pad_id,
+                                     row_multiple(inputs.config, inputs.mesh))
+  return turn_rows, turn_rows
+
+
+def bc_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor: int,
+             max_turns: int, saving: bool) -> StepBatch:
+  """The next `rows` demonstrations of the shuffled stream, trained with cross-entropy (no
+  log-probs, advantages or rollout). `step`, `max_turns` and `saving` are unused: the
+  demonstrations were played once, to the schedule's longest horizon."""
+  del state, step, max_turns, saving
+  start = time.perf_counter()
+  chosen = [inputs.demos[i] for i in inputs.stream.take(cursor, inputs.rows)]
+  host = jax.device_get(build_trajectory(chosen, inputs.tok.pad_id))
+  trained, turn_rows = _trained_rows(inputs, host)
+  put = inputs.put
+  batch = update_lib.build_batch(
+      inputs.spec, tokens=put(trained.tokens), valid=put(trained.valid),
+      loss_mask=put(trained.loss_mask),
+      seq_tokens=None if turn_rows is None else put(turn_rows.episode_tokens))
+  # The batch is the expert's, not the policy's: its statistics are logged apart.
+  logged = {k.replace("episodes/", "demos/"): v
+            for k, v in metrics_lib.episode_metrics(host, chosen).items()}
+  logged.update({"rollout/tokens_per_s": 0.0, "rollout/env_seconds": 0.0,
+                 "time/rollout": time.perf_counter() - start, "time/score": 0.0,
+                 "time/advantages": 0.0})
+  return StepBatch(batch=batch, host=host, episodes=chosen, cursor=cursor + inputs.rows,
+                   trained_tokens=int(np.sum(trained.valid)), metrics=logged)
+
+
+def _sample(inputs: StepInputs, params: Any, task_ids: list[int], max_turns: int,
+            key: jax.Array) -> tuple[Any, dict[str, Any]]:
+  """This process's rows of a batch rolled out on its devices, gathered on every process."""
+  settings = dataclasses.replace(inputs.rollout, max_turns=max_turns)
+  mine = inputs.share.rows(inputs.rows)  # this process's rows (None: all of them)
+  traj, stats = run_episodes((inputs.policy_def, params), inputs.tok, inputs.pool, task_ids,
+                             settings, rng=key, mesh=inputs.share.mesh, rows=mine)
+  traj, stats["episodes"] = multihost.gather_trajectory(traj, stats["episodes"], mine,
+                                                        inputs.tok.pad_id)
+  return traj, stats
+
+
+def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor: int,
+             max_turns: int, saving: bool) -> StepBatch:
+  """The policy's rollouts of the next tasks (more rounds with dynamic sampling), scored by
+  the policy, the reference and the critic, with the estimator's advantages."""
+  config, spec, put = inputs.config, inputs.spec, inputs.put
+  tasks = config.data.batch_tasks
+  start = time.perf_counter()
+  task_ids = inputs.stream.take(cursor, tasks)
+  key = state_lib.step_key(jax.device_get(state.rng), step, state_lib.ROLLOUT_STREAM)
+  replay = provenance.step_provenance(
+      config, step + 1, task_ids, key, max_turns, provenance.policy_checksum(state.policy),
+      inputs.mesh.size) if saving else None
+  # The rollout computes as the update does: a bf16 copy of float32 weights when the run is
+  # mixed precision (half the per-host copy and KV cache).
+  params = inputs.share.local(update_lib.as_compute(state.policy, inputs.update.compute_dtype))
+  traj, stats = _sample(inputs, params, task_ids, max_turns, key)
+  drawn, logged = 1, {}
+  if spec.dynamic_sampling:  # DAPO: more rounds of tasks until the groups carry signal
+    draw = lambda r: _sample(inputs, params, inputs.stream.take(cursor + r * tasks, tasks),
+                             max_turns, jax.random.fold_in(key, r))
+    traj, stats, drawn, logged = dynamic_sampling.sample_until_full(
+        (traj, stats), draw, batch_tasks=tasks,
+        group_size=config.data.group_size, max_extra_rounds=spec.dynamic_sampling_max_rounds,
+        rewards_of=lambda t: overlong_lib.apply(t, spec.overlong, spec.overlong_penalty)[0],
+        build=lambda episodes: build_trajectory(episodes, inputs.tok.pad_id))
+  rolled = time.perf_counter()
+  host = jax.device_get(traj)  # the whole batch, on every process
+  trained, turn_rows = _trained_rows(inputs, host)
+  tokens, valid, mask = put(trained.tokens), put(trained.valid), put(trained.loss_mask)
+  to_episodes, to_rows = _layouts(turn_rows, put, host.tokens.shape)
+
+  # ----- scoring: old and reference log-probs, values -----
+  score_logprobs, score_values = inputs.scorers
+  old_logprobs = score_logprobs(state.policy, tokens, valid)
+  ref_logprobs = (score_logprobs(state.ref, tokens, valid) if state.ref is not None
+                  else jnp.zeros_like(old_logprobs))
+  values = (score_values(state.critic, tokens, valid) if score_values is not None
+            else jnp.zeros_like(old_logprobs))
+  jax.block_until_ready((old_logprobs, ref_logprobs, values))
+  scored = time.perf_counter()
+
+  # ----- advantages, over the episodes' packed rows -----
+  # Every agent token sits once in its episode's row, so each estimator sees the episodes
+  # (groups, turns, its critic's successive states) whatever the update's rows.
+  rewards, turn_rewards, overlong = overlong_lib.apply(host, spec.overlong,
+                                                       spec.overlong_penalty)
+  turns = (advantages_lib.Turns(index=put(host.turn_index), rewards=put(turn_rewards),
+                                anchors=put(host.turn_anchors)) if spec.uses_turns else None)
+  old_lp, ref_lp, old_values = map(to_episodes, (old_logprobs, ref_logprobs, values))
+  adv, returns, reward_kl = inputs.advantages(
+      rewards=put(rewards), mask=mask if turn_rows is None else put(host.loss_mask),
+      group_ids=put(host.group_id), old_logprobs=old_lp, ref_logprobs=ref_lp,
+      values=old_values, turns=turns)
+  jax.block_until_ready(adv)
+  advantaged = time.perf_counter()
+  if spec.overlong == "filter":  # out of the loss, still in their group's baseline (DAPO)
+    mask = put(overlong_lib.mask_rows(trained.loss_mask, overlong,
+                                      None if turn_rows is None else turn_rows.episode))
+  batch = update_lib.build_batch(
+      spec, tokens=tokens, valid=valid, loss_mask=mask, old_logprobs=old_logprobs,
+      advantages=to_rows(adv), ref_logprobs=ref_logprobs, returns=to_rows(returns),
+      values=values, seq_tokens=None if turn_rows is None else put(turn_rows.episode_tokens),
+      rollout_logprobs=put(trained.sample_logprobs) if spec.tis_cap > 0 else None)
+
+  logged.update(metrics_lib.episode_metrics(host, stats["episodes"]))
+  logged.update(_batch_diagnostics(host, adv, old_lp, old_values, returns, reward_kl,
+                                   spec=spec))
+  logged["overlong/fraction"] = float(np.mean(overlong))
+  if spec.overlong != "none":
+    name = {"filter": "filtered", "penalty": "penalised"}[spec.overlong]
+    logged[f"overlong/{name}"] = logged["overlong/fraction"]
+  logged.update({
+      "rollout/tokens_per_s": stats["rollout/sampled_tokens"] / max(rolled - start, 1e-9),
+      "rollout/env_seconds": float(stats["rollout/env_seconds"]),
+      "time/rollout": rolled - start, "time/score": scored - rolled,
+      "time/advantages": advantaged - scored})
+  per_token = (multihost.fetch({"advantages": adv}
+                               | ({"values": old_values} if spec.use_critic else {}))
+               if saving else {})
+  return StepBatch(batch=batch, host=host, episodes=stats["episodes"],
+                   cursor=cursor + drawn * tasks, trained_tokens=int(np.sum(trained.valid)),
+                   metrics=logged, per_token=per_token,
+                   replay=replay if drawn == 1 else None)  # a replay regenerates round 1 only
+
+
+def _masked_stats(prefix: str, x: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+  values = np.asarray(x)[mask]
+  if values.size == 0:
+    return {f"{prefix}_mean": 0.0, f"{prefix}_std": 0.0}
+  return {f"{prefix}_mean": float(values.mean()), f"{prefix}_std": float(values.std())}
+
+
+def _batch_diagnostics(host: Any, adv: jax.Array, old_logprobs: jax.Array,
+                       values: jax.Array, returns: jax.Array, reward_kl: jax.Array, *,
+                       spec: algorithm.AlgorithmSpec) -> dict[str, float]:
+  """Advantage statistics, sampler/trainer log-prob agreement, in-reward KL, critic quality.
+
+  `rollout/logprob_gap` is the mean |log-prob of the trainer's forward - the sampler's| over
+  agent tokens (`rollout/logprob_gap_max` its max, the token that `algo.tis_cap` would weigh
+  most): ~1e-7 when both compute the same distribution; a large gap means the
+  rollout and the loss disagree (e.g. a temperature or masking mismatch). Of the [B, L] arrays
+  only those an enabled diagnostic reads are copied to the host.
+  """
+  wanted = {"adv": adv, "old_logprobs": old_logprobs}
+  if spec.kl_in_reward:
+    wanted["reward_kl"] = reward_kl
+  if spec.use_critic:
+    wanted.update(values=values, returns=returns)
+  got = multihost.fetch(wanted)
+  mask = np.asarray(host.loss_mask).astype(bool)
+  out = _masked_stats("batch/advantage", got["adv"], mask)
+  gap = np.abs(got["old_logprobs"] - host.sample_logprobs)[mask]
+  out["rollout/logprob_gap"] = float(gap.mean()) if mask.any() else 0.0
+  out["rollout/logprob_gap_max"] = float(gap.max()) if mask.any() else 0.0
+  if spec.kl_in_reward:
+    out["reward/kl_mean"] = float(got["reward_kl"][mask].mean()) if mask.any() else 0.0
+  if spec.use_critic:
+    out.update(_masked_stats("critic/values", got["values"], mask))
+    out["critic/explained_variance"] = metrics_lib.explained_variance(
+        got["returns"], got["values"], mask)
+  return out
