@@ -1,9 +1,10 @@
 """Decoder-only transformer (Qwen2/2.5, Qwen3, Llama 3.x, SmolLM2) in Flax NNX.
 
 Weight layout is chosen for speed: every projection is a plain 2-D matmul. On XLA:CPU the
-backward pass of einsums against 3-D `[D, H, Dh]` kernels cost 7-9x the forward, and fusing
-q/k/v into one kernel and gate/up into another roughly doubled training throughput. The fused
-kernels are ordered so that the output axis splits cleanly under tensor parallelism:
+backward pass of einsums against 3-D `[D, H, Dh]` kernels costs several times the forward, and
+fusing q/k/v into one kernel and gate/up into another raises training throughput (measured in
+benchmarks/README.md, "Decoder weight layout"). The fused kernels are ordered so that the
+output axis splits cleanly under tensor parallelism:
 
 * `qkv`: [D, K * (G + 2) * Dh] with K = kv heads, G = query heads per kv head; for each kv head
   its G query heads, then its key, then its value. Sharding the fused axis over `tensor` keeps
