@@ -31,6 +31,9 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import ml_collections
+
+from agentgym_jax.rollout import envs
 from agentgym_jax.rollout.envs import DEFAULT_ACKNOWLEDGEMENT
 from agentgym_jax.rollout.episodes import opening_messages
 from agentgym_jax.rollout.trajectory import Episode
@@ -177,3 +180,21 @@ def load_or_build(path: str, settings: dict[str, Any], build: Callable[[], list[
   save(path, settings, episodes)
   logging.info("Wrote %d demonstrations to %s.", len(episodes), path)
   return episodes
+
+
+def expert_episodes(config: ml_collections.ConfigDict, tok: ChatTokenizer,
+                    task_ids: Sequence[int]) -> list[Episode]:
+  """The expert's episode of each of `task_ids` (`play_expert`), with the runner's limits
+  (the schedule's longest horizon, `rollout.max_context` and `rollout.max_reply_tokens`) and
+  `config.bc`'s noise, played in this process on `envs.make_env`'s environment."""
+  env = envs.make_env(config)
+  try:
+    return [play_expert(
+        env, tok, task_id, max_turns=max(config.schedule.horizons),
+        max_context=config.rollout.max_context,
+        max_reply_tokens=config.rollout.max_reply_tokens,
+        rng=random.Random(f"{config.seed}-{task_id}"), noise=config.bc.noise,
+        drop_thought=config.bc.drop_thought,
+        system_prompt=config.env.system_prompt or None)[0] for task_id in task_ids]
+  finally:
+    env.close()

@@ -7,28 +7,20 @@ splits, the name of the environment whose paper table applies, the expert's play
 for behaviour cloning, texts for a BPE tokenizer) and the constants the episode runner shares
 with the environments (`FAILURES`, the kinds of fault a pool reports; `DEFAULT_ACKNOWLEDGEMENT`,
 the agent's canned first reply); nothing else in the library imports `environments`.
-
-The runner and its records import those constants from here, so this module imports the
-runner's demonstrations only where it plays them (`expert_episodes`).
+Nothing here imports the rest of `rollout/`: the runner, its records and the expert's
+demonstrations all import this module.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import environments
 import ml_collections
 from environments.base import DEFAULT_ACKNOWLEDGEMENT
 from environments.workers import FAILURES, EnvPool
 
-from agentgym_jax.tokenization import ChatTokenizer
-
-if TYPE_CHECKING:
-  from agentgym_jax.rollout.trajectory import Episode
-
-__all__ = ["DEFAULT_ACKNOWLEDGEMENT", "FAILURES", "check", "expert_episodes", "expert_texts",
+__all__ = ["DEFAULT_ACKNOWLEDGEMENT", "FAILURES", "check", "expert_texts", "make_env",
            "make_pool", "served_name", "task_splits"]
 
 # Environment steps played by the expert per task when collecting BPE training text.
@@ -83,7 +75,7 @@ def expert_texts(config: ml_collections.ConfigDict, task_ids: Sequence[int]) -> 
   renders conversations with ChatML, whose role names are ordinary text worth a merge; the
   special tokens themselves are left out (the trainer would split them into byte pieces).
   """
-  env = environments.make(config.env.name, **config.env.kwargs)
+  env = make_env(config)
   try:
     yield f"user\n{env.instruction}"
     yield f"assistant\n{env.acknowledgement}"
@@ -102,24 +94,7 @@ def expert_texts(config: ml_collections.ConfigDict, task_ids: Sequence[int]) -> 
     env.close()
 
 
-def expert_episodes(config: ml_collections.ConfigDict, tok: ChatTokenizer,
-                    task_ids: Sequence[int]) -> list[Episode]:
-  """The expert's episode of each of `task_ids`, laid out as the episode runner lays out
-  samples (`demonstrations.play_expert`), with the runner's limits and `config.bc`'s noise.
-
-  Played in this process: experts read the environment's internals, which a worker pool or a
-  remote server does not expose.
-  """
-  # Not at the top: demonstrations import the episode runner, which imports this module.
-  from agentgym_jax.rollout import demonstrations  # pylint: disable=import-outside-toplevel
-  env = environments.make(config.env.name, **config.env.kwargs)
-  try:
-    return [demonstrations.play_expert(
-        env, tok, task_id, max_turns=max(config.schedule.horizons),
-        max_context=config.rollout.max_context,
-        max_reply_tokens=config.rollout.max_reply_tokens,
-        rng=random.Random(f"{config.seed}-{task_id}"), noise=config.bc.noise,
-        drop_thought=config.bc.drop_thought,
-        system_prompt=config.env.system_prompt or None)[0] for task_id in task_ids]
-  finally:
-    env.close()
+def make_env(config: ml_collections.ConfigDict) -> environments.TextEnv:
+  """One environment of `config.env` in this process, for the expert's play: experts read the
+  environment's internals, which a worker pool or a remote server does not expose."""
+  return environments.make(config.env.name, **config.env.kwargs)

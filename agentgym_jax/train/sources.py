@@ -24,7 +24,7 @@ from agentgym_jax.tokenization import ChatTokenizer
 def demonstrations(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> list[Episode]:
   """The expert's episodes of the first `bc.num_tasks` tasks of `data.split`, cached on disk.
 
-  Played by `envs.expert_episodes` with the runner's limits: the schedule's longest horizon,
+  Played by `demonstrations.expert_episodes` with the runner's limits: the schedule's longest horizon,
   `rollout.max_context` and `rollout.max_reply_tokens`.
   """
   task_ids = list(envs.task_splits(config)[config.data.split])
@@ -44,7 +44,7 @@ def demonstrations(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> lis
   path = demos_lib.cache_path(cache_dir, config.env.name, settings)
 
   return demos_lib.load_or_build(path, settings,
-                                 lambda: envs.expert_episodes(config, tok, task_ids))
+                                 lambda: demos_lib.expert_episodes(config, tok, task_ids))
 
 
 def build_critic(policy: Decoder, seed: int, mesh: Mesh) -> ValueModel:
