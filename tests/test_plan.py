@@ -59,7 +59,7 @@ def _plan(*args, timeout=600):
                         capture_output=True, text=True, timeout=timeout)
 
 
-def test_a_tiny_models_whole_step_compiles_for_v5e_16_within_a_minute():
+def test_a_tiny_models_whole_step_compiles_for_v5e_16_within_two_minutes():
   start = time.perf_counter()
   result = _plan("--topology=v5e-16", "--config=" + TINY[0], *TINY[1:])
   seconds = time.perf_counter() - start
@@ -70,7 +70,9 @@ def test_a_tiny_models_whole_step_compiles_for_v5e_16_within_a_minute():
     [line] = [l for l in lines if l.startswith(program + " ")]
     assert line.split()[-1] == "yes", line
   assert any(l.startswith("Model FLOPs per step") for l in lines), result.stdout
-  assert seconds < 60, seconds
+  # About 40 s on a quiet 2-core machine; the bound catches a compile that takes minutes (a
+  # program unrolled per layer or per row), not the machine's load (65 s beside a training run).
+  assert seconds < 120, seconds
 
 
 def test_a_step_too_big_for_the_slice_exits_1_naming_the_program_and_bytes():
