@@ -70,8 +70,8 @@ def test_a_tiny_models_whole_step_compiles_for_v5e_16_within_two_minutes():
     [line] = [l for l in lines if l.startswith(program + " ")]
     assert line.split()[-1] == "yes", line
   assert any(l.startswith("Model FLOPs per step") for l in lines), result.stdout
-  # About 40 s on a quiet 2-core machine; the bound catches a compile that takes minutes (a
-  # program unrolled per layer or per row), not the machine's load (65 s beside a training run).
+  # The bound catches a compile that takes minutes (a program unrolled per layer or per row),
+  # not the machine's load (it took 65 s beside a training run).
   assert seconds < 120, seconds
 
 
