@@ -190,3 +190,26 @@ def test_first_difference_names_token_then_turn_then_outcome():
   won = _record([1, 2, 3, 4, 5, 6], turns, success=True)
   assert replay.first_difference(recorded, won, decode) == (
       "outcome success: recorded False, replayed True")
+
+
+@pytest.mark.parametrize("old, estimator, options", [
+    ({"advantage": "gigpo", "step_weight": 0.5, "step_norm": "mean_std_norm"}, "gigpo",
+     {"step_weight": 0.5, "step_norm": "mean_std_norm"}),
+    ({"advantage": "grpo", "norm_adv_by_std": False}, "drgrpo", {}),
+    ({"advantage": "grpo", "norm_adv_by_std": True}, "grpo", {}),
+    ({"advantage": "turn_gae", "turn_gamma": 0.9}, "turn_gae", {"turn_gamma": 0.9}),
+])
+def test_a_config_saved_before_estimator_kwargs_loads_in_todays_fields(tmp_path, old,
+                                                                         estimator, options):
+  from agentgym_jax.train import config as base  # pylint: disable=import-outside-toplevel
+  saved = base.base_config().to_dict()
+  del saved["algo"]["estimator"], saved["algo"]["estimator_kwargs"]
+  # The fields of the old schema that the run did not use were saved with their defaults.
+  saved["algo"].update({"step_weight": 1.0, "step_norm": "mean_norm", "turn_gamma": 1.0,
+                        "norm_adv_by_std": True, **old})
+  path = tmp_path / "config.json"
+  path.write_text(json.dumps(saved))
+  loaded = provenance.load_config(str(path))
+  assert loaded.algo.estimator == estimator
+  assert loaded.algo.estimator_kwargs.to_dict() == options
+  assert "advantage" not in loaded.algo

@@ -89,9 +89,30 @@ def _tuples(value: Any) -> Any:
 
 
 def load_config(path: str) -> ml_collections.ConfigDict:
-  """A config saved by `save_config` (or a run's config.json), locked as the trainer's is."""
+  """A config saved by `save_config` (or a run's config.json), locked as the trainer's is;
+  one saved before the estimator's options became data is read in today's fields."""
   with open(path) as f:
-    return base.lock(ml_collections.ConfigDict(_tuples(json.load(f))))
+    return base.lock(ml_collections.ConfigDict(_tuples(_estimator_as_data(json.load(f)))))
+
+
+def _estimator_as_data(saved: dict[str, Any]) -> dict[str, Any]:
+  """Runs saved before `algo.estimator` named the estimator and `algo.estimator_kwargs` held
+  its options (2026-12-05) have `algo.advantage`, grpo's `norm_adv_by_std` (False: Dr.GRPO),
+  gigpo's `step_weight` and `step_norm`, turn_gae's `turn_gamma`: the same run in today's
+  fields, so such runs can still be replayed."""
+  algo = saved.get("algo", {})
+  if "advantage" not in algo:
+    return saved
+  algo = dict(algo)
+  estimator = algo.pop("advantage")
+  if estimator == "grpo" and not algo.pop("norm_adv_by_std", True):
+    estimator = "drgrpo"
+  own = {"gigpo": ("step_weight", "step_norm"), "turn_gae": ("turn_gamma",)}.get(estimator, ())
+  options = {name: algo[name] for name in own if name in algo}
+  for name in ("norm_adv_by_std", "step_weight", "step_norm", "turn_gamma"):
+    algo.pop(name, None)
+  algo.update(estimator=estimator, estimator_kwargs=options)
+  return {**saved, "algo": algo}
 
 
 def config_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
