@@ -9,12 +9,12 @@ float32 on one CPU device (experiments/agentgym_rl/common.py `smollm2_on_cpu`).
   python -m agentgym_jax.evaluate --config=$cfg:stage=zero_shot --output=/tmp/smollm2/zero_shot
   # 2. BC on the expert's demonstrations (greedy held-out before and after, in the run):
   python -m agentgym_jax.train --config=$cfg:stage=bc --workdir=/tmp/smollm2/bc
-  # 3. GRPO from it (Dr.GRPO normalisation, clip-higher; greedy held-out in the run):
+  # 3. RL from it (algo=grpo runs Dr.GRPO; greedy held-out at steps 4 and 8 in the run):
   python -m agentgym_jax.train --config=$cfg:stage=rl,init=/tmp/smollm2/bc \
       --workdir=/tmp/smollm2/grpo
-  # sampled evaluations of a checkpoint (T=1, and the BC baseline at T=0.5):
-  python -m agentgym_jax.evaluate --config=$cfg:stage=bc --checkpoint=/tmp/smollm2/bc \
-      --temperature=1.0 --num_samples=2 --output=/tmp/smollm2/bc/eval_t1
+  # a sampled evaluation of a checkpoint (T=1, the first 24 held-out tasks):
+  python -m agentgym_jax.evaluate --config=$cfg:stage=bc --checkpoint=/tmp/smollm2/grpo \
+      --temperature=1.0 --num_samples=1 --num_tasks=24 --output=/tmp/smollm2/grpo/eval_t1_24
   # the two-minute smoke run of any stage: append ,runlocal
 
 Config arguments (`--config=experiments/smollm2/babyai.py:k=v,...`):
@@ -25,14 +25,15 @@ Config arguments (`--config=experiments/smollm2/babyai.py:k=v,...`):
   seed      run seed.
   runlocal  a ~2-minute version of the stage (SmolLM2 kept; few tasks, 2 steps).
 
-Measured (2026-12-05, seed 0, a 2-core machine shared with another job; README.md has every
-number), held-out = the first 48 test tasks of the 8 levels below, 5 turns:
-  zero-shot greedy 0.0% (the BC run's step-0 evaluation, 412 s);
-  stage=bc: "Held-out success 0.000 at step 0 -> 0.542 at step 8" (19.4 min with both
-    evaluations; 37-80 s per step); at T=1 39.6% (48 tasks), at T=0.5 50.0% (first 24);
-  stage=rl: stopped after 2 of its 10 steps (1075 s and 674 s per step), then `evaluate`:
-    greedy 43.8% (-10.4 points), T=1 41.7% on the first 24 tasks (BC: 41.7%); actor/kl 0.0345
-    at step 2. The issue's goal (+15 points greedy from RL) was missed at this length.
+Measured (2026-12-05, seed 0, 2 CPU cores; README.md has every number and which runs shared
+the machine), held-out = the first 48 test tasks of the 8 levels below, 5 turns, greedy:
+  zero-shot 0.0% (the BC run's step-0 evaluation);
+  stage=bc: "Held-out success 0.000 at step 0 -> 0.542 at step 8" (37-80 s per step);
+  stage=rl (Dr.GRPO): "eval at step 4: held-out success 0.458", "eval at step 8: held-out
+    success 0.500" (-4.2 points from BC; 190-320 s per step on a quiet machine, actor/kl at
+    most 0.013);
+  stage=rl,algo=gigpo with --config.total_steps=4: "held-out success 0.375" (-16.7 points).
+  The issue's goal (+15 points greedy from RL) was missed at this length.
   stage=bc,runlocal: 2 min 35 s.
 """
 
@@ -113,9 +114,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.algo.loss_agg_mode = "seq-mean-token-mean"
     # kl_coef stays the base's 0.001 (low_var_kl): the reference is kept, so actor/kl logs the
     # KL to the starting checkpoint every step.
-    # A small step: one update at the tiny study's 3e-4 from a fresh AdamW flips a policy; 2e-5
-    # (twice smollm2_on_cpu's 1e-5) so that the ~10 steps that fit in 45 minutes move it.
-    c.optim.lr = 2e-5
+    # A small step: one update at the tiny study's 3e-4 from a fresh AdamW flips a policy, and
+    # at 2e-5 the first update cost KL 0.035 per token to the BC checkpoint and 10 greedy
+    # points (README.md, run 1): half of it, smollm2_on_cpu's 1e-5 (Adam's first steps move
+    # every weight by about the learning rate, whatever the gradient's size; a warm-up would
+    # spend the first of the few steps that fit at learning rate 0).
+    c.optim.lr = 1e-5
+    # A refused action ("go to red ball" when no such action is listed, repeated to the turn
+    # limit: the BC policy's main failure) costs 0.1: the outcome estimators score an episode
+    # by its summed reward, so groups whose samples all fail still rank them by how often
+    # they were refused, and dynamic sampling drops fewer groups. Success is unaffected.
+    c.env.invalid_action_reward = -0.1
     # 2 tasks x 4 samples per step: one row's update costs ~10 s on 2 cores, so 8 rows (plus
     # the reference's and the old policy's forwards) is ~4 minutes a step.
     c.data.batch_tasks, c.data.group_size = 2, 4
@@ -124,10 +133,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # roll out up to 2 more rounds of 2 tasks to fill the batch with informative groups
     # (rollouts are cheaper than the update rows they fill).
     c.algo.dynamic_sampling = True
-    c.total_steps = 10
-    # One greedy evaluation of the 48 tasks costs ~5 minutes: only after the last step.
-    c.eval.every_steps = 10
-    c.checkpoint.every_steps = 5
+    c.total_steps = 8
+    # One greedy evaluation of the 48 tasks costs ~5 minutes: halfway and after the last step.
+    c.eval.every_steps = 4
+    c.checkpoint.every_steps = 2
     # The starting checkpoint's greedy held-out success is the BC run's last evaluation (same
     # tasks, greedy: the same number); not evaluating it again saves ~4 minutes.
     c.eval.at_start = False
