@@ -242,9 +242,13 @@ def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor:
       values=values, seq_tokens=None if turn_rows is None else put(turn_rows.episode_tokens),
       rollout_logprobs=put(trained.sample_logprobs) if spec.tis_cap > 0 else None)
 
+  # One copy to the host of what the diagnostics (and a saved step) read.
+  fetched = multihost.fetch(
+      {"adv": adv, "old_logprobs": old_lp}
+      | ({"reward_kl": reward_kl} if spec.kl_in_reward else {})
+      | ({"values": old_values, "returns": returns} if spec.use_critic else {}))
   logged.update(metrics_lib.episode_metrics(host, stats["episodes"]))
-  logged.update(_batch_diagnostics(host, adv, old_lp, old_values, returns, reward_kl,
-                                   spec=spec))
+  logged.update(_batch_diagnostics(host, fetched, spec=spec))
   logged["overlong/fraction"] = float(np.mean(overlong))
   if spec.overlong != "none":
     name = {"filter": "filtered", "penalty": "penalised"}[spec.overlong]
@@ -254,9 +258,8 @@ def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor:
       "rollout/env_seconds": float(stats["rollout/env_seconds"]),
       "time/rollout": rolled - start, "time/score": scored - rolled,
       "time/advantages": advantaged - scored})
-  per_token = (multihost.fetch({"advantages": adv}
-                               | ({"values": old_values} if spec.use_critic else {}))
-               if saving else {})
+  per_token = ({"advantages": fetched["adv"]}
+               | ({"values": fetched["values"]} if spec.use_critic else {})) if saving else {}
   return StepBatch(batch=batch, host=host, episodes=stats["episodes"],
                    cursor=cursor + drawn * tasks, trained_tokens=int(np.sum(trained.valid)),
                    metrics=logged, per_token=per_token,
@@ -270,23 +273,17 @@ def _masked_stats(prefix: str, x: np.ndarray, mask: np.ndarray) -> dict[str, flo
   return {f"{prefix}_mean": float(values.mean()), f"{prefix}_std": float(values.std())}
 
 
-def _batch_diagnostics(host: Any, adv: jax.Array, old_logprobs: jax.Array,
-                       values: jax.Array, returns: jax.Array, reward_kl: jax.Array, *,
+def _batch_diagnostics(host: Any, got: dict[str, np.ndarray], *,
                        spec: algorithm.AlgorithmSpec) -> dict[str, float]:
   """Advantage statistics, sampler/trainer log-prob agreement, in-reward KL, critic quality.
 
   `rollout/logprob_gap` is the mean |log-prob of the trainer's forward - the sampler's| over
   agent tokens (`rollout/logprob_gap_max` its max, the token that `algo.tis_cap` would weigh
   most): ~1e-7 when both compute the same distribution; a large gap means the
-  rollout and the loss disagree (e.g. a temperature or masking mismatch). Of the [B, L] arrays
-  only those an enabled diagnostic reads are copied to the host.
+  rollout and the loss disagree (e.g. a temperature or masking mismatch). `got` holds the
+  [B, L] host arrays an enabled diagnostic reads: adv, old_logprobs, reward_kl (KL in the
+  reward), values and returns (a critic).
   """
-  wanted = {"adv": adv, "old_logprobs": old_logprobs}
-  if spec.kl_in_reward:
-    wanted["reward_kl"] = reward_kl
-  if spec.use_critic:
-    wanted.update(values=values, returns=returns)
-  got = multihost.fetch(wanted)
   mask = np.asarray(host.loss_mask).astype(bool)
   out = _masked_stats("batch/advantage", got["adv"], mask)
   gap = np.abs(got["old_logprobs"] - host.sample_logprobs)[mask]

@@ -127,10 +127,7 @@ def main() -> None:
   for name in sorted(os.listdir(args.root)):
     path = os.path.join(args.root, name, "metrics.jsonl")
     if os.path.exists(path):
-      # One record per step, the last written: a line of a process that was stopped and whose
-      # step was run again (README.md, Commands) is not the run's.
-      runs[name] = sorted({r["step"]: r for r in read_run(path)}.values(),
-                          key=lambda r: r["step"])
+      runs[name] = read_run(path)  # one record per step (README.md, Commands)
   reps = reports(args.root)
   summary = {"runs": {name: {"wall_minutes": wall_minutes(r),
                              "steps": [{k: v for k, v in rec.items()

@@ -41,8 +41,14 @@ LABELS = {"bc": "BC (noisy expert)", "bc_more": "BC, second cycle (from BC)",
 
 
 def read_run(path: str) -> list[dict]:
+  """A run's metrics records, one per step: the last written (a line of a process that was
+  stopped and whose step was run again is not the run's)."""
   with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+    records = {}
+    for line in filter(str.strip, f):
+      record = json.loads(line)
+      records[record["step"]] = record
+  return sorted(records.values(), key=lambda r: r["step"])
 
 
 def runs_of(env_dir: str) -> dict[str, list[list[dict]]]:
