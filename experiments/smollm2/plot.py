@@ -9,7 +9,9 @@ ROOT/zero_shot/eval_test.json), then writes
                       steps, then RL steps after BC's last), training success, KL to the
                       starting checkpoint, step wall time;
   summary.json        per run: every step's main metrics, every evaluation's Overall numbers;
-and prints the README's markdown tables. Helpers shared with experiments/tiny/plot.py are
+and prints the README's markdown tables: per step, per evaluation report, and greedy successes
+per level of every greedy evaluation (the in-loop ones, ROOT/<run>/eval/step_N, and reports)
+with the tasks each lost and gained against BC's last evaluation. Helpers shared with experiments/tiny/plot.py are
 imported from there.
 """
 
@@ -19,6 +21,7 @@ import argparse
 import glob
 import json
 import os
+import re
 
 import matplotlib
 
@@ -53,26 +56,82 @@ def reports(root: str) -> dict[str, dict]:
 
 
 def eval_table(reps: dict[str, dict]) -> str:
-  lines = ["| report | tasks | samples | temperature | success per sample, % | Pass@n, % | "
-           "wall, s |", "|---|---:|---:|---:|---:|---:|---:|"]
+  lines = [("| report | tasks | samples | temperature | success per sample, % | Pass@n, % | "
+            "wall, s |"), "|---|---:|---:|---:|---:|---:|---:|"]
   for rel, m in reps.items():
     lines.append(f"| {rel} | {m['num_tasks']} | {m['n']} | {m['temperature']} | "
                  f"{100 * m['pass@1']:.1f} | {100 * m['pass']:.1f} | {m['seconds']} |")
   return "\n".join(lines)
 
 
-def step_table(name: str, records: list[dict]) -> str:
-  cols = ("episodes/success_rate", "dynamic_sampling/success_rate", "dynamic_sampling/dropped",
-          "actor/kl", "actor/entropy", "actor/clip_frac", "rollout/logprob_gap", "time/step",
-          "time/rollout", "time/score", "time/update", "time/eval", "rollout/tokens_per_s",
-          "update/tokens_per_s")
-  lines = [f"**{name}**", "", "| step | " + " | ".join(cols) + " |",
-           "|---:|" + "---:|" * len(cols)]
+# The README's two per-step tables: what the update learns from, and what a step costs.
+LEARNING = {"training success (batch)": ("episodes/success_rate", ".3f"),
+            "success of all drawn episodes": ("dynamic_sampling/success_rate", ".3f"),
+            "groups dropped": ("dynamic_sampling/dropped", ".2f"),
+            "refused actions per turn": ("episodes/invalid_action_rate", ".2f"),
+            "actor/kl": ("actor/kl", ".4f"), "entropy": ("actor/entropy", ".3f"),
+            "rollout/logprob_gap": ("rollout/logprob_gap", ".1e"),
+            "greedy held-out": ("eval/success_rate", ".3f")}
+COST = {"time/step, s": ("time/step", ".0f"), "rollout, s": ("time/rollout", ".0f"),
+        "scoring, s": ("time/score", ".0f"), "update, s": ("time/update", ".0f"),
+        "evaluation, s": ("time/eval", ".0f"), "update tokens/s": ("update/tokens_per_s", ".0f"),
+        "rollout tokens/s": ("rollout/tokens_per_s", ".1f")}
+
+
+def step_table(records: list[dict], columns: dict[str, tuple[str, str]]) -> str:
+  """A markdown table of the run's steps (step 0, the start, left out); `columns` maps each
+  header to its metric and format. The step's evaluation time is blank when it had none."""
+  lines = ["| step | " + " | ".join(columns) + " |", "|---:|" + "---:|" * len(columns)]
   for r in records:
     if r.get("step", 0) == 0:
       continue
-    cells = [f"{r[k]:.4g}" if k in r else "" for k in cols]
+    cells = [format(r[key], fmt) if key in r and not (key == "time/eval" and r[key] < 1)
+             else "" for key, fmt in columns.values()]
     lines.append(f"| {r['step']} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def greedy_reports(root: str) -> dict[str, dict]:
+  """{"<run> step N" or "<run>/<report>": {task_id: (level, success)}} of every greedy
+  evaluation of one sample per task under root, in-loop evaluations by run and step."""
+  out = {}
+  for path in sorted(glob.glob(os.path.join(root, "**", "eval_test.json"), recursive=True)):
+    with open(path) as f:
+      report = json.load(f)
+    if report["settings"]["temperature"] != 0.0 or report["settings"]["num_samples"] != 1:
+      continue
+    rel = os.path.relpath(os.path.dirname(path), root)
+    in_loop = re.fullmatch(r"(.+)/eval/step_(\d+)", rel)
+    name = f"{in_loop[1]} step {in_loop[2]}" if in_loop else rel
+    out[name] = {t["task_id"]: (t["category"], bool(t["success"][0])) for t in report["tasks"]}
+  return dict(sorted(out.items(), key=lambda kv: _report_order(kv[0])))
+
+
+def _report_order(name: str) -> tuple:
+  in_loop = re.fullmatch(r"(.+) step (\d+)", name)
+  run = in_loop[1] if in_loop else name.split("/")[0]
+  return (run != "bc", run, int(in_loop[2]) if in_loop else 10**9, name)
+
+
+def level_table(greedy: dict[str, dict], baseline: str) -> str:
+  """Greedy successes per level (rows) of each evaluation (columns) on the baseline's tasks,
+  and the tasks each lost and gained against the baseline's evaluation."""
+  base = greedy[baseline]
+  names = [n for n, tasks in greedy.items() if set(tasks) == set(base)]
+  levels = list(dict.fromkeys(level for level, _ in base.values()))
+  lines = ["| level | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+  for level in levels:
+    ids = [t for t, (lv, _) in base.items() if lv == level]
+    cells = [f"{sum(greedy[n][t][1] for t in ids)}/{len(ids)}" for n in names]
+    lines.append(f"| {level} | " + " | ".join(cells) + " |")
+  totals = [f"**{sum(ok for _, ok in greedy[n].values())}/{len(base)}**" for n in names]
+  lines.append("| all | " + " | ".join(totals) + " |")
+  changes = []
+  for n in names:
+    lost = sum(base[t][1] and not greedy[n][t][1] for t in base)
+    gained = sum(greedy[n][t][1] and not base[t][1] for t in base)
+    changes.append("" if n == baseline else f"{lost} / {gained}")
+  lines.append(f"| tasks lost / gained against {baseline} | " + " | ".join(changes) + " |")
   return "\n".join(lines)
 
 
@@ -91,7 +150,7 @@ def plot(runs: dict[str, list[dict]], out: str, root: str) -> None:
   offset = 0  # RL steps are drawn after BC's last step
   for i, name in enumerate(sorted(runs, key=lambda n: (n != "bc", n))):
     records = runs[name]
-    shift = lambda s, o=offset: [(x + o, y) for x, y in s]  # noqa: E731
+    shift = lambda s, o=offset: [(x + o, y) for x, y in s]
     color = f"C{i}"
     report = os.path.join(root, name, "eval_greedy", "eval_test.json")
     for ax, data, marker in ((axes[0, 0], held_out(records, report), "o"),
@@ -103,7 +162,7 @@ def plot(runs: dict[str, list[dict]], out: str, root: str) -> None:
     if name == "bc" and records:
       offset = records[-1]["step"]
   axes[0, 0].set_title("held-out success, greedy (test split)")
-  axes[0, 1].set_title("training success (sampled, T=1)")
+  axes[0, 1].set_title("training success (sampled at the run's temperature)")
   axes[1, 0].set_title("actor/kl: KL to the starting checkpoint (low_var_kl)")
   axes[1, 1].set_title("time/step, s (2 CPU cores)")
   for ax in axes.flat:
@@ -140,8 +199,13 @@ def main() -> None:
   for name, records in runs.items():
     print(f"{name}: held-out greedy {evals(records)}, training wall "
           f"{wall_minutes(records):.1f} min\n")
-    print(step_table(name, records), "\n")
+    print(step_table(records, LEARNING), "\n")
+    print(step_table(records, COST), "\n")
   print(eval_table(reps))
+  greedy = greedy_reports(args.root)
+  bc_evals = [n for n in greedy if n.startswith("bc step")]
+  if bc_evals:
+    print("\n" + level_table(greedy, bc_evals[-1]))
 
 
 if __name__ == "__main__":
