@@ -1,8 +1,8 @@
 """The SmolLM2 study (experiments/smollm2): its configs, its bad-input check, its RL stage.
 
 The fast tests build every stage's config and run the trainer on a missing starting
-checkpoint; the slow one reruns a shortened RL stage from the study's recipe (BC, then GRPO)
-and checks what the study's results support (experiments/smollm2/README.md).
+checkpoint; the slow one reruns the study's BC and RL stages (BC, then Dr.GRPO), evaluated on
+fewer tasks, and checks the greedy gain the study measured (experiments/smollm2/README.md).
 """
 
 from __future__ import annotations
@@ -52,41 +52,41 @@ def test_missing_init_checkpoint_stops_at_start_naming_it(tmp_path):
   assert "Traceback" not in result.stderr, result.stderr[-2000:]  # one line, not a traceback
 
 
-# The shortened RL stage: the committed BC stage, then GRPO with the committed RL recipe for
-# RL_STEPS steps, greedy held-out on the first EVAL_TASKS test tasks. The study's runs
-# (README.md, 2026-12-05) printed, on these 16 tasks: zero-shot 0/16, BC 6/16 (0.375), Dr.GRPO
-# (run 2, this recipe) 6/16 at steps 4 and 8, with the KL to BC at most 0.013 per token (run 1,
-# at lr 2e-5: 5/16 after 2 steps, KL 0.0345). The issue's goal (+15 points greedy from RL) was
-# missed, so this asserts what held: BC lifts zero-shot by BC_LIFT, and the GRPO steps keep
-# greedy success within RL_DROP of BC with the KL to BC below MAX_KL. Not a gain.
-RL_STEPS, EVAL_TASKS = 2, 16
-BC_LIFT, RL_DROP, MAX_KL = 0.25, 0.2, 0.1
+# The study's starting recipe and RL stage, as committed: BC, then Dr.GRPO for the config's 24
+# steps (rollouts at temperature 0.7), greedy held-out on the first EVAL_TASKS test tasks,
+# evaluated once at the end. On these 16 tasks the study's runs (README.md, 2026-12-05, run 5:
+# this config and command) printed zero-shot 0/16, BC 6/16 and after the 24 RL steps 12/16
+# (+37.5 points; +16.7 on the 48 tasks of the study), with the KL to BC at most 0.085 per
+# token. The margins: BC lifts zero-shot by BC_LIFT, RL lifts BC by RL_GAIN (the issue's goal,
+# +15 points of greedy held-out success), at a KL to BC below MAX_KL.
+EVAL_TASKS = 16
+BC_LIFT, RL_GAIN, MAX_KL = 0.25, 0.15, 0.2
 
 
 @pytest.mark.slow
-def test_smollm2_grpo_from_bc_on_babyai(tmp_path):
-  """experiments/smollm2/babyai.py's BC stage, then 2 GRPO steps (in the study, BC's 8 steps
-  and a 48-task evaluation took 14.5 min on a shared 2-core machine, a GRPO step 3-4 min on a
-  quiet one): BC teaches SmolLM2 the action format (greedy held-out success above zero-shot's
-  by BC_LIFT), and the GRPO steps keep it (within RL_DROP) at a bounded KL. What it asserts
-  is what the study's results support (see the margins above): no RL gain."""
+def test_smollm2_grpo_from_bc_gains_greedy_success_on_babyai(tmp_path):
+  """experiments/smollm2/babyai.py's BC stage, then its RL stage (Dr.GRPO, 24 steps; in the
+  study BC's 8 steps took about 5 minutes and the 24 RL steps 83 minutes of a quiet 2-core
+  machine): BC teaches SmolLM2 the action format, and RL from it gains greedy held-out
+  success (see the margins above)."""
+  from experiments.smollm2 import babyai  # pylint: disable=import-outside-toplevel
+  rl_steps = babyai.get_config("stage=rl,init=unused").total_steps
   cache = str(tmp_path / "cache")
   bc, rl = str(tmp_path / "bc"), str(tmp_path / "grpo")
   for workdir, args in ((bc, "stage=bc"), (rl, f"stage=rl,init={bc}")):
     result = run_cli("agentgym_jax.train", [
         f"--config={CONFIG}:{args}", f"--workdir={workdir}",
         f"--config.eval.num_tasks={EVAL_TASKS}",
-        *([f"--config.total_steps={RL_STEPS}", f"--config.eval.every_steps={RL_STEPS}"]
-          if "rl" in args else [])], cache, timeout=5400)
+        *([f"--config.eval.every_steps={rl_steps}"] if "rl" in args else [])], cache, timeout=4 * 3600)
     assert result.returncode == 0, result.stderr[-3000:]
   zero_shot, after_bc = [m["eval/success_rate"] for m in metrics(bc) if "eval/success_rate" in m]
   rl_metrics = metrics(rl)
   # The RL stage does not evaluate its start (eval.at_start=False): greedy on the same tasks,
   # it is the BC run's last evaluation.
   (after_rl,) = [m["eval/success_rate"] for m in rl_metrics if "eval/success_rate" in m]
-  print(f"\nheld-out greedy: zero-shot {zero_shot}, BC {after_bc}, GRPO {after_rl}")
+  print(f"\nheld-out greedy: zero-shot {zero_shot}, BC {after_bc}, Dr.GRPO {after_rl}")
   assert zero_shot == 0.0
   assert after_bc >= zero_shot + BC_LIFT
-  assert after_rl >= after_bc - RL_DROP
+  assert after_rl >= after_bc + RL_GAIN
   kls = [m["actor/kl"] for m in rl_metrics if "actor/kl" in m]
-  assert len(kls) == RL_STEPS and max(kls) < MAX_KL
+  assert len(kls) == rl_steps and max(kls) < MAX_KL

@@ -148,12 +148,14 @@ def held_out(records: list[dict], report: str) -> list[tuple[int, float]]:
 def plot(runs: dict[str, list[dict]], out: str, root: str) -> None:
   fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
   offset = 0  # RL steps are drawn after BC's last step
+  start = []  # BC's last greedy evaluation: where each RL run's greedy curve starts
   for i, name in enumerate(sorted(runs, key=lambda n: (n != "bc", n))):
     records = runs[name]
     shift = lambda s, o=offset: [(x + o, y) for x, y in s]
     color = f"C{i}"
     report = os.path.join(root, name, "eval_greedy", "eval_test.json")
-    for ax, data, marker in ((axes[0, 0], held_out(records, report), "o"),
+    greedy = held_out(records, report)
+    for ax, data, marker in ((axes[0, 0], greedy if name == "bc" else start + greedy, "o"),
                              (axes[0, 1], train_success(records), None),
                              (axes[1, 0], series(records, "actor/kl"), None),
                              (axes[1, 1], series(records, "time/step"), None)):
@@ -161,6 +163,7 @@ def plot(runs: dict[str, list[dict]], out: str, root: str) -> None:
         ax.plot(*zip(*shift(data)), marker=marker, color=color, label=name)
     if name == "bc" and records:
       offset = records[-1]["step"]
+      start = [(0, greedy[-1][1])] if greedy else []
   axes[0, 0].set_title("held-out success, greedy (test split)")
   axes[0, 1].set_title("training success (sampled at the run's temperature)")
   axes[1, 0].set_title("actor/kl: KL to the starting checkpoint (low_var_kl)")
