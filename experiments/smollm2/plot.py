@@ -207,8 +207,10 @@ def main() -> None:
   print(eval_table(reps))
   greedy = greedy_reports(args.root)
   bc_evals = [n for n in greedy if n.startswith("bc step")]
-  if bc_evals:
-    print("\n" + level_table(greedy, bc_evals[-1]))
+  # BC's in-loop evaluation (the first 48 tasks) and its evaluation of all 90 test tasks, each
+  # beside the evaluations of the same tasks.
+  for baseline in bc_evals[-1:] + [n for n in greedy if n == "bc/eval_greedy_90"]:
+    print("\n" + level_table(greedy, baseline))
 
 
 if __name__ == "__main__":
