@@ -77,7 +77,8 @@ def test_smollm2_grpo_from_bc_gains_greedy_success_on_babyai(tmp_path):
     result = run_cli("agentgym_jax.train", [
         f"--config={CONFIG}:{args}", f"--workdir={workdir}",
         f"--config.eval.num_tasks={EVAL_TASKS}",
-        *([f"--config.eval.every_steps={rl_steps}"] if "rl" in args else [])], cache, timeout=4 * 3600)
+        *([f"--config.eval.every_steps={rl_steps}"] if "rl" in args else [])],
+        cache, timeout=4 * 3600)
     assert result.returncode == 0, result.stderr[-3000:]
   zero_shot, after_bc = [m["eval/success_rate"] for m in metrics(bc) if "eval/success_rate" in m]
   rl_metrics = metrics(rl)

@@ -11,8 +11,8 @@ ROOT/zero_shot/eval_test.json), then writes
   summary.json        per run: every step's main metrics, every evaluation's Overall numbers;
 and prints the README's markdown tables: per step, per evaluation report, and greedy successes
 per level of every greedy evaluation (the in-loop ones, ROOT/<run>/eval/step_N, and reports)
-with the tasks each lost and gained against BC's last evaluation. Helpers shared with experiments/tiny/plot.py are
-imported from there.
+with the tasks each lost and gained against BC's. Helpers shared with experiments/tiny/plot.py
+are imported from there.
 """
 
 from __future__ import annotations
@@ -42,17 +42,21 @@ def series(records: list[dict], key: str) -> list[tuple[int, float]]:
   return [(r["step"], r[key]) for r in records if key in r]
 
 
-def reports(root: str) -> dict[str, dict]:
-  """{relative dir: Overall metrics and settings} of every evaluate report under root."""
+def load_reports(root: str) -> dict[str, dict]:
+  """{directory relative to root: report} of every `evaluate` report (eval_test.json) under
+  root, each read once."""
   out = {}
   for path in sorted(glob.glob(os.path.join(root, "**", "eval_test.json"), recursive=True)):
-    rel = os.path.relpath(os.path.dirname(path), root)
     with open(path) as f:
-      report = json.load(f)
-    s = report["settings"]
-    out[rel] = {**report["metrics"]["Overall"], "temperature": s["temperature"],
-                "max_turns": s["max_turns"], "seconds": report.get("seconds")}
+      out[os.path.relpath(os.path.dirname(path), root)] = json.load(f)
   return out
+
+
+def reports(loaded: dict[str, dict]) -> dict[str, dict]:
+  """{relative dir: Overall metrics and settings} of the loaded reports."""
+  return {rel: {**report["metrics"]["Overall"], "temperature": report["settings"]["temperature"],
+                "max_turns": report["settings"]["max_turns"], "seconds": report.get("seconds")}
+          for rel, report in loaded.items()}
 
 
 def eval_table(reps: dict[str, dict]) -> str:
@@ -91,26 +95,20 @@ def step_table(records: list[dict], columns: dict[str, tuple[str, str]]) -> str:
   return "\n".join(lines)
 
 
-def greedy_reports(root: str) -> dict[str, dict]:
-  """{"<run> step N" or "<run>/<report>": {task_id: (level, success)}} of every greedy
-  evaluation of one sample per task under root, in-loop evaluations by run and step."""
-  out = {}
-  for path in sorted(glob.glob(os.path.join(root, "**", "eval_test.json"), recursive=True)):
-    with open(path) as f:
-      report = json.load(f)
+def greedy_reports(loaded: dict[str, dict]) -> dict[str, dict]:
+  """{"<run> step N" or "<run>/<report>": {task_id: (level, success)}} of the loaded greedy
+  evaluations of one sample per task: BC's first, then each run's in-loop evaluations by step,
+  then its other reports."""
+  rows = []
+  for rel, report in loaded.items():
     if report["settings"]["temperature"] != 0.0 or report["settings"]["num_samples"] != 1:
       continue
-    rel = os.path.relpath(os.path.dirname(path), root)
     in_loop = re.fullmatch(r"(.+)/eval/step_(\d+)", rel)
-    name = f"{in_loop[1]} step {in_loop[2]}" if in_loop else rel
-    out[name] = {t["task_id"]: (t["category"], bool(t["success"][0])) for t in report["tasks"]}
-  return dict(sorted(out.items(), key=lambda kv: _report_order(kv[0])))
-
-
-def _report_order(name: str) -> tuple:
-  in_loop = re.fullmatch(r"(.+) step (\d+)", name)
-  run = in_loop[1] if in_loop else name.split("/")[0]
-  return (run != "bc", run, int(in_loop[2]) if in_loop else 10**9, name)
+    run, step = (in_loop[1], int(in_loop[2])) if in_loop else (rel.split("/")[0], None)
+    name = f"{run} step {step}" if in_loop else rel
+    tasks = {t["task_id"]: (t["category"], bool(t["success"][0])) for t in report["tasks"]}
+    rows.append(((run != "bc", run, step is None, step or 0, name), name, tasks))
+  return {name: tasks for _, name, tasks in sorted(rows)}
 
 
 def level_table(greedy: dict[str, dict], baseline: str) -> str:
@@ -190,7 +188,8 @@ def main() -> None:
     path = os.path.join(args.root, name, "metrics.jsonl")
     if os.path.exists(path):
       runs[name] = read_run(path)  # one record per step (README.md, Commands)
-  reps = reports(args.root)
+  loaded = load_reports(args.root)
+  reps = reports(loaded)
   summary = {"runs": {name: {"wall_minutes": wall_minutes(r),
                              "steps": [{k: v for k, v in rec.items()
                                         if k == "step" or k in KEYS} for rec in r]}
@@ -205,7 +204,7 @@ def main() -> None:
     print(step_table(records, LEARNING), "\n")
     print(step_table(records, COST), "\n")
   print(eval_table(reps))
-  greedy = greedy_reports(args.root)
+  greedy = greedy_reports(loaded)
   bc_evals = [n for n in greedy if n.startswith("bc step")]
   # BC's in-loop evaluation (the first 48 tasks) and its evaluation of all 90 test tasks, each
   # beside the evaluations of the same tasks.
