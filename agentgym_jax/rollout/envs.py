@@ -13,6 +13,7 @@ demonstrations all import this module.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 
 import environments
@@ -20,8 +21,8 @@ import ml_collections
 from environments.base import DEFAULT_ACKNOWLEDGEMENT
 from environments.workers import FAILURES, EnvPool
 
-__all__ = ["DEFAULT_ACKNOWLEDGEMENT", "FAILURES", "check", "expert_texts", "make_env",
-           "make_pool", "served_name", "task_splits"]
+__all__ = ["DEFAULT_ACKNOWLEDGEMENT", "FAILURES", "check", "expert_texts",
+           "interleave_categories", "make_env", "make_pool", "served_name", "task_splits"]
 
 # Environment steps played by the expert per task when collecting BPE training text.
 _BPE_EXPERT_STEPS = 4
@@ -57,6 +58,19 @@ def task_splits(config: ml_collections.ConfigDict) -> dict[str, list[int]]:
     raise ValueError(f"config.env.categories names {sorted(wanted - known)}, which "
                      f"{served_name(config)}'s split file does not list; known: {sorted(known)}.")
   return {split: [t for t in ids if categories.get(t) in wanted] for split, ids in splits.items()}
+
+
+def interleave_categories(config: ml_collections.ConfigDict,
+                          task_ids: Sequence[int]) -> list[int]:
+  """`task_ids` reordered to take one task of each category in turn, categories in the order
+  they first appear and tasks in their given order within each; uncategorised tasks form one
+  category of their own. [a1, a2, a3, b1, b2] -> [a1, b1, a2, b2, a3]."""
+  categories = environments.task_categories(config.env.name, config.env.kwargs.get("env_name"))
+  by_category: dict[str | None, list[int]] = {}
+  for task_id in task_ids:
+    by_category.setdefault(categories.get(task_id), []).append(task_id)
+  rounds = itertools.zip_longest(*by_category.values())
+  return [task_id for row in rounds for task_id in row if task_id is not None]
 
 
 def make_pool(config: ml_collections.ConfigDict) -> EnvPool:

@@ -91,6 +91,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Demonstrations: the expert plays the first num_tasks tasks of data.split once each (0 =
   # all of them), up to the schedule's longest horizon and rollout.max_context.
   c.bc.num_tasks = 0
+  # Take those tasks from each of the split's categories in turn (in split order within
+  # each), so a split sorted by category, such as TextCraft's by depth, gives demonstrations
+  # of every category; False takes them in split order.
+  c.bc.balance_categories = False
   # A weaker teacher: probability that a turn's action is a random valid one instead of the
   # expert's, and that a reply leaves out its "Thought:" text.
   c.bc.noise = 0.0
