@@ -5,9 +5,9 @@ stays minutes long:
   install  not run: it would reinstall the environment this test runs in. `.ci/run` runs these
            very lines on a fresh clone (checked below), and the whole suite runs in what they
            installed.
-  train    the main job takes about 15 minutes as written, so it runs with the shrinking the
-           README gives, `,runlocal` appended to each --config (2 steps of each stage, about
-           2 minutes together).
+  train    the main job (SmolLM2 on BabyAI) takes about 1.6 hours as written, so it runs with
+           the shrinking the README gives, `,runlocal` appended to each --config (one step of
+           each stage, a few minutes together).
   viewer   as written.
   test     with --collect-only: run as written, the suite would run itself.
 Paths under /tmp/ in the commands move under the test's tmp dir, so a reader's own runs there

@@ -7,6 +7,8 @@ fewer tasks, and checks the greedy gain the study measured (experiments/smollm2/
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 
 from test_trainer import metrics, run_cli
@@ -14,15 +16,19 @@ from test_trainer import metrics, run_cli
 CONFIG = "experiments/smollm2/babyai.py"
 
 
+@pytest.mark.parametrize("env", ["babyai", "textcraft"])
 @pytest.mark.parametrize("arg", ["stage=zero_shot", "stage=bc", "stage=rl,init=/tmp/bc",
                                  "stage=rl,init=/tmp/bc,algo=ppo,seed=1",
                                  "stage=bc,runlocal", "stage=rl,init=/tmp/bc,runlocal"])
-def test_study_configs_build_and_lock(arg):
-  from experiments.smollm2 import babyai  # pylint: disable=import-outside-toplevel
-  c = babyai.get_config(arg)
+def test_study_configs_build_and_lock(env, arg):
+  module = importlib.import_module(f"experiments.smollm2.{env}")
+  c = module.get_config(arg)
   assert c.is_locked
-  assert c.model.source == "smollm2" and c.env.name == "babyai"
-  assert tuple(c.env.kwargs.levels) == babyai.LEVELS
+  assert c.model.source == "smollm2" and c.env.name == env
+  if env == "babyai":
+    assert tuple(c.env.kwargs.levels) == module.LEVELS
+  else:
+    assert tuple(c.env.categories) == ("depth1", "depth2")
   if "stage=rl" in arg:
     assert c.init_from == "/tmp/bc" and c.mode == "rl"
     assert c.algo.estimator == ("gae" if "algo=ppo" in arg else "drgrpo")  # grpo: Dr.GRPO
@@ -31,6 +37,19 @@ def test_study_configs_build_and_lock(arg):
     assert c.mode == "bc" and c.bc.num_tasks > 0
   with pytest.raises(AttributeError):
     c.not_a_field = 1
+
+
+def test_textcraft_demonstrations_take_each_depth_in_turn():
+  """TextCraft's train split lists its 94 depth-1 goals (ids 31-124; 0-30 are test goals)
+  before its depth-2 ones (from 125): balanced BC takes one of each in turn."""
+  from agentgym_jax.rollout import envs  # pylint: disable=import-outside-toplevel
+  from experiments.smollm2 import textcraft  # pylint: disable=import-outside-toplevel
+  c = textcraft.get_config("stage=bc")
+  assert c.bc.balance_categories
+  train = envs.task_splits(c)["train"]
+  assert train[:2] == [31, 32]
+  assert envs.interleave_categories(c, train)[:6] == [31, 125, 32, 126, 33, 127]
+  assert sorted(envs.interleave_categories(c, train)) == sorted(train)
 
 
 @pytest.mark.parametrize("arg", ["stage=rl", "stage=sft", "stage=rl,init=/x,algo=dpo",

@@ -133,12 +133,16 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     c.eval.at_start = False
 
   if args.runlocal:
-    c.total_steps = min(c.total_steps, 2)
-    c.eval.num_tasks = 4
+    # The smoke run: one step of two rows (an update row of SmolLM2 costs seconds on a CPU),
+    # 2 turns, and one greedy evaluation of 2 tasks at the end.
+    c.total_steps = min(c.total_steps, 1)
+    c.bc.num_tasks = 2
+    c.data.group_size = min(c.data.group_size, 2)
+    c.data.batch_tasks = 2 // c.data.group_size
+    c.algo.microbatches = c.data.batch_tasks * c.data.group_size
+    c.schedule.horizons = (2,)
+    c.eval.num_tasks = 2
+    c.eval.at_start = False
     c.eval.every_steps = c.total_steps
     c.checkpoint.every_steps = 1
-    c.bc.num_tasks = 8
-    c.data.batch_tasks = min(c.data.batch_tasks, 2)
-    c.algo.microbatches = c.data.batch_tasks * c.data.group_size
-    c.schedule.horizons = (3,)
   return base.lock(c)

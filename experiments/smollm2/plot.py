@@ -1,16 +1,18 @@
 r"""Tables, curves and a metrics summary of the SmolLM2 study from its runs' files.
 
   python -m experiments.smollm2.plot --root=/tmp/smollm2 --out=experiments/smollm2
+  python -m experiments.smollm2.plot --env=textcraft --root=/tmp/smollm2_tc \
+      --out=experiments/smollm2
 
 reads ROOT/<run>/metrics.jsonl of the runs that exist (bc, grpo, ...; any directory with a
 metrics.jsonl) and every `evaluate` report ROOT/<run>/<name>/eval_test.json (and
 ROOT/zero_shot/eval_test.json), then writes
-  babyai_curves.png   held-out greedy success per step (in-loop, and <run>/eval_greedy; BC
+  <env>_curves.png    held-out greedy success per step (in-loop, and <run>/eval_greedy; BC
                       steps, then RL steps after BC's last), training success, KL to the
                       starting checkpoint, step wall time;
-  summary.json        per run: every step's main metrics, every evaluation's Overall numbers;
+  <env>_summary.json  per run: every step's main metrics, every evaluation's Overall numbers;
 and prints the README's markdown tables: per step, per evaluation report, and greedy successes
-per level of every greedy evaluation (the in-loop ones, ROOT/<run>/eval/step_N, and reports)
+per level (BabyAI) or crafting depth (TextCraft) of every greedy evaluation (the in-loop ones, ROOT/<run>/eval/step_N, and reports)
 with the tasks each lost and gained against BC's. Helpers shared with experiments/tiny/plot.py
 are imported from there.
 """
@@ -180,6 +182,7 @@ def plot(runs: dict[str, list[dict]], out: str, root: str) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--env", default="babyai", choices=("babyai", "textcraft"))
   parser.add_argument("--root", default="/tmp/smollm2")
   parser.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
   args = parser.parse_args()
@@ -195,9 +198,9 @@ def main() -> None:
                                         if k == "step" or k in KEYS} for rec in r]}
                       for name, r in runs.items()},
              "evaluations": reps}
-  with open(os.path.join(args.out, "summary.json"), "w") as f:
+  with open(os.path.join(args.out, f"{args.env}_summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
-  plot(runs, os.path.join(args.out, "babyai_curves.png"), args.root)
+  plot(runs, os.path.join(args.out, f"{args.env}_curves.png"), args.root)
   for name, records in runs.items():
     print(f"{name}: held-out greedy {evals(records)}, training wall "
           f"{wall_minutes(records):.1f} min\n")
@@ -206,9 +209,9 @@ def main() -> None:
   print(eval_table(reps))
   greedy = greedy_reports(loaded)
   bc_evals = [n for n in greedy if n.startswith("bc step")]
-  # BC's in-loop evaluation (the first 48 tasks) and its evaluation of all 90 test tasks, each
+  # BC's last in-loop evaluation and its greedy reports (BabyAI: all 90 test tasks), each
   # beside the evaluations of the same tasks.
-  for baseline in bc_evals[-1:] + [n for n in greedy if n == "bc/eval_greedy_90"]:
+  for baseline in bc_evals[-1:] + [n for n in greedy if n.startswith("bc/")]:
     print("\n" + level_table(greedy, baseline))
 
 
