@@ -28,7 +28,7 @@ SETTING = common.EnvSetting(
     # Held-out: all 72 depth-1 and depth-2 test goals (31 + 41).
     eval_tasks=0,
     # 16 depth-1 and 16 depth-2 train goals, taken in turn.
-    bc_tasks=32, rl_steps=18, categories=("depth1", "depth2"))
+    bc_tasks=32, rl_steps=12, categories=("depth1", "depth2"))
 
 
 def get_config(arg=None):
