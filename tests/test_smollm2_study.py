@@ -52,6 +52,19 @@ def test_textcraft_demonstrations_take_each_depth_in_turn():
   assert sorted(envs.interleave_categories(c, train)) == sorted(train)
 
 
+def test_textcraft_rl_trains_on_depth1_and_evaluates_both_depths():
+  from agentgym_jax.rollout import envs  # pylint: disable=import-outside-toplevel
+  from experiments.smollm2 import textcraft  # pylint: disable=import-outside-toplevel
+  c = textcraft.get_config("stage=rl,init=/tmp/bc")
+  train = envs.training_tasks(c)
+  assert len(train) == 94 and train[0] == 31 and train[-1] == 124  # depth 1: ids 0-124
+  assert len(envs.task_splits(c)["test"]) == 72  # 31 depth-1 + 41 depth-2 test goals
+  with c.unlocked():
+    c.data.categories = ("depth3",)
+  with pytest.raises(ValueError, match="must be among config.env.categories"):
+    envs.training_tasks(c)
+
+
 @pytest.mark.parametrize("arg", ["stage=rl", "stage=sft", "stage=rl,init=/x,algo=dpo",
                                  "stage=bc,lr=1"])
 def test_study_config_rejects_bad_arguments(arg):

@@ -22,7 +22,8 @@ from environments.base import DEFAULT_ACKNOWLEDGEMENT
 from environments.workers import FAILURES, EnvPool
 
 __all__ = ["DEFAULT_ACKNOWLEDGEMENT", "FAILURES", "check", "expert_texts",
-           "interleave_categories", "make_env", "make_pool", "served_name", "task_splits"]
+           "interleave_categories", "make_env", "make_pool", "served_name", "task_splits",
+           "training_tasks"]
 
 # Environment steps played by the expert per task when collecting BPE training text.
 _BPE_EXPERT_STEPS = 4
@@ -58,6 +59,24 @@ def task_splits(config: ml_collections.ConfigDict) -> dict[str, list[int]]:
     raise ValueError(f"config.env.categories names {sorted(wanted - known)}, which "
                      f"{served_name(config)}'s split file does not list; known: {sorted(known)}.")
   return {split: [t for t in ids if categories.get(t) in wanted] for split, ids in splits.items()}
+
+
+def training_tasks(config: ml_collections.ConfigDict) -> list[int]:
+  """The task ids training draws from: `data.split` of `task_splits`, kept to the tasks of
+  `data.categories` when it names any (evaluation keeps every category of env.categories)."""
+  ids = task_splits(config)[config.data.split]
+  wanted = set(config.data.categories)
+  if not wanted:
+    return list(ids)
+  if not wanted <= set(config.env.categories or wanted):
+    raise ValueError(f"config.data.categories {sorted(wanted)} must be among "
+                     f"config.env.categories {sorted(config.env.categories)}.")
+  categories = environments.task_categories(config.env.name, config.env.kwargs.get("env_name"))
+  known = set(categories.values())
+  if not wanted <= known:
+    raise ValueError(f"config.data.categories names {sorted(wanted - known)}, which "
+                     f"{served_name(config)}'s split file does not list; known: {sorted(known)}.")
+  return [t for t in ids if categories.get(t) in wanted]
 
 
 def interleave_categories(config: ml_collections.ConfigDict,

@@ -178,6 +178,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.group_size = 8
   # Split of environments.task_splits(env.name) the training tasks are drawn from.
   c.data.split = "train"
+  # Train only on these of env.categories' task categories (a curriculum of the easy ones;
+  # demonstrations too); evaluation keeps all of env.categories. Empty: all of them.
+  c.data.categories = ()
 
   # ----- rollout sampling ------------------------------------------------------------------------
   c.rollout = ml_collections.ConfigDict()

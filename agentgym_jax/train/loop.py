@@ -98,8 +98,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   # A "bpe:" tokenizer is trained and saved by process 0; the others then read it.
   tok = multihost.process_zero_first(lambda: policies.load_tokenizer(config, workdir),
                                      "tokenizer")
-  splits = envs.task_splits(config)
-  stream = data.TaskStream(splits[config.data.split], config.seed)
+  stream = data.TaskStream(envs.training_tasks(config), config.seed)
   demos = []
   if config.mode == "bc":
     # Behaviour cloning draws its rows from the demonstrations, in shuffled epochs. Played

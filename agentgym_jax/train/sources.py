@@ -22,13 +22,13 @@ from agentgym_jax.tokenization import ChatTokenizer
 
 
 def demonstrations(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> list[Episode]:
-  """The expert's episodes of the first `bc.num_tasks` tasks of `data.split` (taken from each
-  category in turn with `bc.balance_categories`), cached on disk.
+  """The expert's episodes of the first `bc.num_tasks` training tasks (`envs.training_tasks`;
+  taken from each category in turn with `bc.balance_categories`), cached on disk.
 
   Played by `demonstrations.expert_episodes` with the runner's limits: the schedule's longest horizon,
   `rollout.max_context` and `rollout.max_reply_tokens`.
   """
-  task_ids = list(envs.task_splits(config)[config.data.split])
+  task_ids = envs.training_tasks(config)
   if config.bc.balance_categories:
     task_ids = envs.interleave_categories(config, task_ids)
   task_ids = task_ids[:config.bc.num_tasks] if config.bc.num_tasks else task_ids

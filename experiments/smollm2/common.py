@@ -39,6 +39,7 @@ class EnvSetting:
   bc_tasks: int  # BC: the expert's episodes of this many train tasks, each seen once.
   rl_steps: int
   categories: tuple[str, ...] = ()  # the task categories studied (config.env.categories).
+  rl_categories: tuple[str, ...] = ()  # RL trains on these of them (empty: all).
 
 
 def parse(arg: str | None) -> ml_collections.ConfigDict:
@@ -91,6 +92,7 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     c.checkpoint.every_steps = c.total_steps
   else:
     c.init_from = args.init
+    c.data.categories = s.rl_categories
     # algo=grpo runs as Dr.GRPO: centre on the group mean, no std division. BabyAI's reward is
     # shaped (1 - 0.9 * steps / max_steps on success), so in a group of successes the std is
     # tiny and dividing by it turns a one-turn difference into a full-size advantage.
