@@ -190,7 +190,7 @@ def main() -> None:
   for name in sorted(os.listdir(args.root)):
     path = os.path.join(args.root, name, "metrics.jsonl")
     if os.path.exists(path):
-      runs[name] = read_run(path)  # one record per step (README.md, Commands)
+      runs[name] = read_run(path)  # one record per step (README.md, BabyAI commands)
   loaded = load_reports(args.root)
   reps = reports(loaded)
   summary = {"runs": {name: {"wall_minutes": wall_minutes(r),
