@@ -29,6 +29,8 @@ depth-1 and depth-2 test goals, 10 turns, greedy:
     at step 4 -> 0.222 at step 12" (0.208 at step 8): +5.6 points over BC, depth 1 12/31 ->
     16/31 (5 goals gained, 1 lost), depth 2 still 0/41; 163-556 s per step, 58.5 minutes in
     all; actor/kl (to BC) at most 0.013.
+  sampled at T=1, 4 samples x the 31 depth-1 goals: success per sample 10.5% -> 19.4%, Pass@4
+    29.0% -> 48.4%; at T=0.7, one sample x 72 goals: 13.9% -> 20.8%.
 """
 
 from __future__ import annotations
