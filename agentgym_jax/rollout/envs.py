@@ -48,35 +48,34 @@ def check(config: ml_collections.ConfigDict) -> None:
 def task_splits(config: ml_collections.ConfigDict) -> dict[str, list[int]]:
   """The task-id splits of `config.env` (a remote env's: those of the environment it serves),
   each kept to the tasks of `config.env.categories` when it names any."""
-  env_name = config.env.kwargs.get("env_name")
-  splits = environments.task_splits(config.env.name, env_name)
-  wanted = set(config.env.categories)
+  splits = environments.task_splits(config.env.name, config.env.kwargs.get("env_name"))
+  return {split: _of_categories(config, ids, config.env.categories, "env.categories")
+          for split, ids in splits.items()}
+
+
+def _of_categories(config: ml_collections.ConfigDict, task_ids: Sequence[int],
+                   wanted: Sequence[str], field: str) -> list[int]:
+  """The tasks of `task_ids` whose category (the split file's) is in `wanted`; all of them
+  when `wanted` is empty. Raises ValueError naming `field` for a category the file lacks."""
   if not wanted:
-    return splits
-  categories = environments.task_categories(config.env.name, env_name)
-  known = set(categories.values())
-  if not wanted <= known:
-    raise ValueError(f"config.env.categories names {sorted(wanted - known)}, which "
-                     f"{served_name(config)}'s split file does not list; known: {sorted(known)}.")
-  return {split: [t for t in ids if categories.get(t) in wanted] for split, ids in splits.items()}
+    return list(task_ids)
+  categories = environments.task_categories(config.env.name, config.env.kwargs.get("env_name"))
+  unknown = set(wanted) - set(categories.values())
+  if unknown:
+    raise ValueError(f"config.{field} names {sorted(unknown)}, which {served_name(config)}'s "
+                     f"split file does not list; known: {sorted(set(categories.values()))}.")
+  return [t for t in task_ids if categories.get(t) in set(wanted)]
 
 
 def training_tasks(config: ml_collections.ConfigDict) -> list[int]:
   """The task ids training draws from: `data.split` of `task_splits`, kept to the tasks of
   `data.categories` when it names any (evaluation keeps every category of env.categories)."""
-  ids = task_splits(config)[config.data.split]
   wanted = set(config.data.categories)
-  if not wanted:
-    return list(ids)
   if not wanted <= set(config.env.categories or wanted):
     raise ValueError(f"config.data.categories {sorted(wanted)} must be among "
                      f"config.env.categories {sorted(config.env.categories)}.")
-  categories = environments.task_categories(config.env.name, config.env.kwargs.get("env_name"))
-  known = set(categories.values())
-  if not wanted <= known:
-    raise ValueError(f"config.data.categories names {sorted(wanted - known)}, which "
-                     f"{served_name(config)}'s split file does not list; known: {sorted(known)}.")
-  return [t for t in ids if categories.get(t) in wanted]
+  return _of_categories(config, task_splits(config)[config.data.split], config.data.categories,
+                        "data.categories")
 
 
 def interleave_categories(config: ml_collections.ConfigDict,

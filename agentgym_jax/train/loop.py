@@ -340,8 +340,8 @@ def summary_line(workdir: str, seconds: float) -> str:
   records = metrics_lib.read_metrics(workdir)
   evals = [(r["step"], r["eval/success_rate"]) for r in records if "eval/success_rate" in r]
   steps = max((r["step"] for r in records), default=0)
-  where = (f"{steps} step{'s' * (steps != 1)}, {seconds / 60:.1f} min in this process; results in {workdir}, "
-           f"view them with: python -m agentgym_jax.viewer {workdir}")
+  where = (f"{steps} step{'s' * (steps != 1)}, {seconds / 60:.1f} min in this process; "
+           f"results in {workdir}, view them with: python -m agentgym_jax.viewer {workdir}")
   if not evals:
     return f"Done: {where}."
   (first_step, first), (last_step, final) = evals[0], evals[-1]

@@ -11,7 +11,7 @@ Config arguments (`--config=experiments/smollm2/<env>.py:k=v,...`):
             algo=grpo runs Dr.GRPO (group mean, no std division).
   init      the BC run's workdir (stage=rl).
   seed      run seed.
-  runlocal  a few-minute version of the stage (SmolLM2 kept; few tasks, 2 steps).
+  runlocal  a smoke run of the stage: one step of two rows, 2 turns, 2 held-out tasks.
 """
 
 from __future__ import annotations
