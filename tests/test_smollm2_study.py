@@ -33,6 +33,7 @@ def test_study_configs_build_and_lock(env, arg):
     assert c.init_from == "/tmp/bc" and c.mode == "rl"
     assert c.algo.estimator == ("gae" if "algo=ppo" in arg else "drgrpo")  # grpo: Dr.GRPO
     assert c.algo.clip_high == 0.28 and c.algo.kl_coef > 0
+    assert c.optim.critic_lr == 10 * c.optim.lr  # the paper's ratio; used by algo=ppo
   if "stage=bc" in arg:
     assert c.mode == "bc" and c.bc.num_tasks > 0
   with pytest.raises(AttributeError):

@@ -109,6 +109,10 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     # every weight by about the learning rate, whatever the gradient's size; a warm-up would
     # spend the first of the few steps that fit at learning rate 0).
     c.optim.lr = 1e-5
+    # algo=ppo's critic (a copy of the policy's backbone, value head at zero) learns at 10x the
+    # policy's rate, the paper's ratio (1e-5 to 1e-6): at the policy's own 1e-5 its values stay
+    # near 0 for the whole of a short run, and GAE's advantage is then the return alone.
+    c.optim.critic_lr = 10 * c.optim.lr
     # A refused action (BabyAI: "go to red ball" when no such action is listed, repeated to
     # the turn limit, the BC policy's main failure) costs 0.1: the outcome estimators score an
     # episode by its summed reward, so groups whose samples all fail still rank them by how
