@@ -91,7 +91,9 @@ def test_missing_init_checkpoint_stops_at_start_naming_it(tmp_path):
 # this config and command) printed zero-shot 0/16, BC 6/16 and after the 24 RL steps 12/16
 # (+37.5 points; +16.7 on the 48 tasks of the study), with the KL to BC at most 0.085 per
 # token. The margins: BC lifts zero-shot by BC_LIFT, RL lifts BC by RL_GAIN (the goal,
-# +15 points of greedy held-out success), at a KL to BC below MAX_KL.
+# +15 points of greedy held-out success), at a KL to BC below MAX_KL. They hold for the
+# config's seed 0, which the test runs: with seed=1 (run 6) the same RL stage ended at 7/16
+# (+1 task), which fails RL_GAIN (its KL to BC, at most 0.18, stays under MAX_KL).
 EVAL_TASKS = 16
 BC_LIFT, RL_GAIN, MAX_KL = 0.25, 0.15, 0.2
 

@@ -19,7 +19,7 @@ float32 on one CPU device (experiments/agentgym_rl/common.py `smollm2_on_cpu`).
 
 Config arguments: common.py (stage, algo, init, seed, runlocal).
 
-Measured (2026-12-05, seed 0, 2 CPU cores; README.md has every number, the earlier runs'
+Measured (2026-12-05, seed 0 unless said, 2 CPU cores; README.md has every number, the earlier runs'
 commands and which runs shared the machine), held-out = the first 48 test tasks of the 8
 levels below, 5 turns, greedy:
   zero-shot 0.0% (the BC run's step-0 evaluation);
@@ -27,8 +27,10 @@ levels below, 5 turns, greedy:
   stage=rl (Dr.GRPO, rollouts at temperature 0.7): "Held-out success 0.521 at step 8 -> 0.708
     at step 24" (0.646 at step 16): +16.7 points over BC, 10 tasks gained and 2 lost;
     110-250 s per step, 83 minutes in all; actor/kl (to BC) at most 0.085.
-  greedy on all 90 test tasks (`evaluate --num_tasks=90`): BC 53.3% -> RL 68.9% (+15.6 points).
-  sampled at T=1, 4 samples x 48 tasks: success per sample 37.0% -> 56.2%, Pass@4 68.8% -> 77.1%.
+  stage=rl,seed=1: "Held-out success 0.188 at step 8 -> 0.604 at step 24" (0.458 at step 16):
+    +6.2 points over BC, 4 tasks gained and 1 lost; 85 minutes; actor/kl at most 0.18.
+  greedy on all 90 test tasks (`evaluate --num_tasks=90`): BC 53.3% -> RL seed 0 68.9% (+15.6).
+  sampled at T=1, 4 samples x 48 tasks, BC -> RL seed 0: success per sample 37.0% -> 56.2%, Pass@4 68.8% -> 77.1%.
   stage=rl with rollouts at temperature 1 (the earlier runs): 45.8-50.0% after 4-8 steps (GRPO),
     37.5% after 4 (GiGPO).
   stage=bc,runlocal: 2 min 35 s.
