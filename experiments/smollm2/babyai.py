@@ -32,7 +32,8 @@ levels below, 5 turns, greedy:
   stage=rl,algo=ppo with --config.total_steps=8 --config.eval.every_steps=8: "Held-out
     success 0.542 at step 8" (BC's: 2 tasks gained, 2 lost); 157-425 s per step, 39.5 minutes.
   greedy on all 90 test tasks (`evaluate --num_tasks=90`): BC 53.3% -> seed 0 68.9%, seed 1 60.0%.
-  sampled at T=1, 4 samples x 48 tasks, BC -> RL seed 0: success per sample 37.0% -> 56.2%, Pass@4 68.8% -> 77.1%.
+  sampled at T=1, 4 samples x 48 tasks, BC -> RL seed 0: success per sample 37.0% -> 56.2%,
+    Pass@4 68.8% -> 77.1%.
   stage=rl with rollouts at temperature 1 (the earlier runs): 45.8-50.0% after 4-8 steps (GRPO),
     37.5% after 4 (GiGPO).
   stage=bc,runlocal: 2 min 35 s.
