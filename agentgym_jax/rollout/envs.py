@@ -64,7 +64,8 @@ def _of_categories(config: ml_collections.ConfigDict, task_ids: Sequence[int],
   if unknown:
     raise ValueError(f"config.{field} names {sorted(unknown)}, which {served_name(config)}'s "
                      f"split file does not list; known: {sorted(set(categories.values()))}.")
-  return [t for t in task_ids if categories.get(t) in set(wanted)]
+  wanted = set(wanted)
+  return [t for t in task_ids if categories.get(t) in wanted]
 
 
 def training_tasks(config: ml_collections.ConfigDict) -> list[int]:

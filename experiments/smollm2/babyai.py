@@ -19,9 +19,9 @@ float32 on one CPU device (experiments/agentgym_rl/common.py `smollm2_on_cpu`).
 
 Config arguments: common.py (stage, algo, init, seed, runlocal).
 
-Measured (2026-12-05, seed 0 unless said, 2 CPU cores; README.md has every number, the earlier runs'
-commands and which runs shared the machine), held-out = the first 48 test tasks of the 8
-levels below, 5 turns, greedy:
+Measured (2026-12-05, seed 0 unless said, 2 CPU cores; README.md has every number, the
+earlier runs' commands and which runs shared the machine), held-out = the first 48 test
+tasks of the 8 levels below, 5 turns, greedy:
   zero-shot 0.0% (the BC run's step-0 evaluation);
   stage=bc: "Held-out success 0.000 at step 0 -> 0.542 at step 8" (37-80 s per step);
   stage=rl (Dr.GRPO, rollouts at temperature 0.7): "Held-out success 0.521 at step 8 -> 0.708

@@ -13,8 +13,8 @@ ROOT/zero_shot/eval_test.json), then writes
   <env>_summary.json  per run: every step's main metrics, every evaluation's Overall numbers;
 and prints the README's markdown tables: per step, per evaluation report, and greedy successes
 per level (BabyAI) or crafting depth (TextCraft) of every greedy evaluation (the in-loop ones,
-ROOT/<run>/eval/step_N, and reports) with the tasks each lost and gained against BC's. Helpers shared with experiments/tiny/plot.py
-are imported from there.
+ROOT/<run>/eval/step_N, and reports) with the tasks each lost and gained against BC's.
+Helpers shared with experiments/tiny/plot.py are imported from there.
 """
 
 from __future__ import annotations
