@@ -168,14 +168,15 @@ def plot(runs: dict[str, list[dict]], out: str, root: str) -> None:
   axes[0, 1].set_title("training success (sampled at the run's temperature)")
   axes[1, 0].set_title("actor/kl: KL to the starting checkpoint (low_var_kl)")
   axes[1, 1].set_title("time/step, s (2 CPU cores)")
+  legend = {}  # one legend for the figure: a run has one colour in every panel
   for ax in axes.flat:
     ax.set_xlabel("step (RL after BC's last)")
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-      ax.legend()
+    legend.update(zip(*ax.get_legend_handles_labels()[::-1]))
   for ax in axes[0]:
     ax.set_ylim(-0.02, 1.02)
-  fig.tight_layout()
+  fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=5)
+  fig.tight_layout(rect=(0, 0.07, 1, 1))
   fig.savefig(out, dpi=110)
   plt.close(fig)
 
