@@ -172,7 +172,8 @@ def plot(runs: dict[str, list[dict]], out: str, root: str) -> None:
   for ax in axes.flat:
     ax.set_xlabel("step (RL after BC's last)")
     ax.grid(alpha=0.3)
-    legend.update(zip(*ax.get_legend_handles_labels()[::-1]))
+    handles, labels = ax.get_legend_handles_labels()
+    legend.update(zip(labels, handles))
   for ax in axes[0]:
     ax.set_ylim(-0.02, 1.02)
   fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=5)
