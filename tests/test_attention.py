@@ -1,5 +1,7 @@
-"""The attention seam: XLA forms against plain attention, the Pallas kernel (in interpret mode,
-on CPU) against the XLA path, and the kernel compiling for a TPU topology (libtpu, AOT)."""
+"""The attention seam: XLA forms against plain attention; every other kernel (blockwise, the
+cuDNN call's argument mapping through its XLA mode, the Pallas kernel in interpret mode) against
+the XLA form, outputs and gradients; memory without a score matrix; the Pallas kernel compiling
+for a TPU topology (libtpu, AOT)."""
 
 import dataclasses
 import functools
@@ -62,13 +64,18 @@ def test_causal_attention_equals_attention(t):
 
 def test_resolve_attention_and_bad_values():
   assert resolve_attention("auto", "tpu") == "pallas"
-  assert resolve_attention("auto", "cpu") == "xla"
-  assert resolve_attention("auto") == ("pallas" if jax.default_backend() == "tpu" else "xla")
+  assert resolve_attention("auto", "gpu") == "cudnn"
+  assert resolve_attention("auto", "cpu") == "blockwise"
+  assert resolve_attention("auto") == attn.AUTO.get(jax.default_backend(), "blockwise")
   assert resolve_attention("xla", "tpu") == "xla"
+  assert set(attn.attention_names()) == {"auto", "xla", "blockwise", "cudnn", "pallas",
+                                         "pallas_interpret"}
   with pytest.raises(ValueError, match="not one of"):
     resolve_attention("flash")
   with pytest.raises(ValueError, match=r"attention 'flash' is not one of \('auto', 'xla'"):
     dataclasses.replace(TINY, attention="flash")
+  with pytest.raises(ValueError, match="already registered"):
+    attn.register_kernel("xla", attn._xla_self, attn._xla_cache)
   from agentgym_jax.train import config as train_config  # pylint: disable=import-outside-toplevel
   config = train_config.base_config()
   assert config.model.attention == "auto"
@@ -83,9 +90,8 @@ def _qkv(b, t, kh, g, dh, seed=0):
           jax.random.normal(keys[2], (b, t, kh, dh)))
 
 
-def _causal_mask(lengths, t):
-  valid = jnp.arange(t)[None] < jnp.asarray(lengths)[:, None]
-  return valid, jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
+def _valid(lengths, t):
+  return jnp.arange(t)[None] < jnp.asarray(lengths)[:, None]
 
 
 @pytest.mark.parametrize("t, max_block, g", [
@@ -98,10 +104,10 @@ def test_pallas_self_attention_matches_xla(monkeypatch, t, max_block, g):
   outputs at valid positions and the gradients of q, k, v agree within 1e-5."""
   monkeypatch.setattr(attn, "_MAX_BLOCK", max_block)
   q, k, v = _qkv(3, t, 2, g, 16, seed=t)
-  valid, mask = _causal_mask([t, t - 5, 1], t)
+  valid = _valid([t, t - 5, 1], t)
   weights = jax.random.normal(jax.random.key(1), (3, t, 2 * g * 16)) * valid[..., None]
   def loss(impl, q, k, v):
-    out = self_attention(q, k, v, mask, impl)
+    out = self_attention(q, k, v, valid, impl)
     return jnp.sum(out * weights), out
   grad = lambda impl: jax.jit(jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2),
                                        has_aux=True))(q, k, v)
@@ -113,14 +119,70 @@ def test_pallas_self_attention_matches_xla(monkeypatch, t, max_block, g):
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
+def _self_grads(fn, q, k, v, valid):
+  """(out, grads of q, k, v) of sum(out * weights) over valid queries, fn(q, k, v, valid)."""
+  weights = jax.random.normal(jax.random.key(1), q.shape[:2] + (-1,)[:0] +
+                              (q.shape[2] * q.shape[3] * q.shape[4],)) * valid[..., None]
+  def loss(q, k, v):
+    out = fn(q, k, v, valid)
+    return jnp.sum(out * weights), out
+  grads, out = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+  return out, grads
+
+
+def _assert_self_parity(fn, q, k, v, valid, atol=1e-5):
+  """fn's outputs at valid queries and its gradients equal the XLA form's within atol; every
+  output (padded queries too) is finite."""
+  out, grads = _self_grads(fn, q, k, v, valid)
+  ref_out, ref_grads = _self_grads(attn._xla_self, q, k, v, valid)
+  keep = np.asarray(valid)
+  np.testing.assert_allclose(np.asarray(out)[keep], np.asarray(ref_out)[keep], atol=atol)
+  assert np.isfinite(np.asarray(out)).all()
+  for a, b in zip(grads, ref_grads):
+    np.testing.assert_allclose(a, b, atol=atol)
+
+
+@pytest.mark.parametrize("t, block_q, block_k, g", [
+    (24, None, None, 3),   # one block each way
+    (200, 64, 48, 3),      # 4 x 5 blocks, uneven, the last of each padded
+    (37, 8, 16, 1),        # no grouping (G = 1), many small blocks
+    (1, None, None, 2),    # a single token
+])
+def test_blockwise_self_attention_matches_xla(t, block_q, block_k, g):
+  """Right-padded rows (full, cut short, one token), GQA, blocks that do not divide T: the
+  blockwise kernel's outputs and gradients equal the XLA form's within 1e-5."""
+  q, k, v = _qkv(3, t, 2, g, 16, seed=t)
+  valid = _valid([t, max(t - 5, 1), 1], t)
+  positions = jnp.broadcast_to(jnp.arange(t), valid.shape)
+  fn = lambda q, k, v, valid: attn.flash_attention(
+      q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, valid, block_q, block_k)
+  _assert_self_parity(fn, q, k, v, valid)
+  _assert_self_parity(functools.partial(self_attention, impl="blockwise"), q, k, v, valid)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cudnn_kernels_call_matches_xla(dtype):
+  """The GPU kernel's `jax.nn.dot_product_attention` call (causal, each row's valid length, GQA
+  heads) run by its XLA implementation, which takes the same arguments as cuDNN's, equals the
+  XLA form; in float32 (which cuDNN does not take) the kernel falls back to blockwise."""
+  q, k, v = (x.astype(dtype) for x in _qkv(3, 40, 2, 3, 16, seed=5))
+  valid = _valid([40, 33, 1], 40)
+  call = functools.partial(attn.dot_product_self, implementation="xla")
+  _assert_self_parity(call, q, k, v, valid, atol=1e-5 if dtype == jnp.float32 else 5e-2)
+  assert attn.cudnn_supports(q) == (dtype == jnp.bfloat16)
+  if dtype == jnp.float32:
+    _assert_self_parity(functools.partial(self_attention, impl="cudnn"), q, k, v, valid)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "cudnn", "pallas_interpret"])
 @pytest.mark.parametrize("t, starts", [
     (8, [0, 5, 30]),     # a prefill, and chunks at nonzero lengths
     (20, [0, 0, 3]),     # a chunk longer than some rows' history
-    (1, [4, 0, 37]),     # decode: the XLA form under either setting
+    (1, [4, 0, 37]),     # decode: the XLA form under every kernel
 ])
-def test_pallas_cache_attention_matches_xla(t, starts):
+def test_cache_attention_matches_xla(impl, t, starts):
   """A chunk at per-row offsets against the cache it was written into: every query agrees
-  (padded queries included: both forms give them the same keys)."""
+  (padded queries included: every form gives them the same keys)."""
   b, kh, g, dh, s = 3, 2, 3, 16, 48
   q, k_new, v_new = _qkv(b, t, kh, g, dh, seed=7 + t)
   keys = jax.random.split(jax.random.key(3), 2)
@@ -128,22 +190,55 @@ def test_pallas_cache_attention_matches_xla(t, starts):
                   v=(jax.random.normal(keys[1], (b, kh, s, dh)),), lengths=jnp.asarray(starts))
   starts = jnp.asarray(starts, jnp.int32)
   k_buf, v_buf = cache.write(0, k_new, v_new, starts)
-  positions = starts[:, None] + jnp.arange(t)[None]
-  mask = jnp.arange(s)[None, None] <= positions[:, :, None]
   run = lambda impl: jax.jit(functools.partial(cache_attention, impl=impl))(
-      q, k_buf, v_buf, starts, mask)
-  np.testing.assert_allclose(run("pallas_interpret"), run("xla"), atol=1e-5)
+      q, k_buf, v_buf, starts)
+  np.testing.assert_allclose(run(impl), run("xla"), atol=1e-5)
+
+
+def test_blockwise_decode_step_matches_xla():
+  """T = 1 through the blockwise kernel itself (the seam sends decode to XLA), small blocks."""
+  b, kh, g, dh, s = 3, 2, 3, 16, 48
+  q, _, _ = _qkv(b, 1, kh, g, dh, seed=11)
+  keys = jax.random.split(jax.random.key(4), 2)
+  k, v = jax.random.normal(keys[0], (b, kh, dh, s)), jax.random.normal(keys[1], (b, kh, s, dh))
+  starts = jnp.asarray([4, 0, 47], jnp.int32)
+  out = attn.flash_attention(q, k.swapaxes(2, 3), v, starts[:, None], jnp.ones((b, s), bool),
+                             block_k=16)
+  np.testing.assert_allclose(out, attn._xla_cache(q, k, v, starts), atol=1e-5)
+
+
+def _grad_temporaries(impl: str, t: int) -> int:
+  """Temporaries of one layer's attention forward + backward on this CPU, one row of t."""
+  b, kh, g, dh = 1, 3, 3, 64
+  spec = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  def loss(q, k, v, valid):
+    return jnp.sum(self_attention(q, k, v, valid, impl))
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+      spec(b, t, kh, g, dh), spec(b, t, kh, dh), spec(b, t, kh, dh),
+      jax.ShapeDtypeStruct((b, t), jnp.bool_)).compile()
+  return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_blockwise_memory_grows_linearly_with_length():
+  """No [T, T] score matrix: from 2,048 to 8,192 tokens the blockwise gradient's temporaries
+  grow about 4x (linearly; blocks of scores are constant), the XLA form's about 16x."""
+  blockwise = [_grad_temporaries("blockwise", t) for t in (2048, 8192)]
+  xla = [_grad_temporaries("xla", t) for t in (2048, 8192)]
+  assert blockwise[1] < 6 * blockwise[0], blockwise
+  assert xla[1] > 10 * xla[0], xla
+  assert blockwise[1] < xla[1] / 10, (blockwise, xla)
 
 
 _forward = nnx.jit(lambda m, t, v: m(t, v))
 _extend = nnx.jit(lambda m, t, n, c: m.extend(t, n, c))
 
 
-def test_decoder_with_pallas_matches_xla():
+@pytest.mark.parametrize("impl", ["blockwise", "pallas_interpret"])
+def test_decoder_with_kernel_matches_xla(impl):
   """A tiny random Decoder: full-forward logits at valid positions, and a prefill then a
-  chunk at nonzero lengths, with attention='pallas_interpret' against 'xla'."""
+  chunk at nonzero lengths, with the kernel against attention='xla'."""
   make = lambda cfg: nnx.jit(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))()
-  xla, pallas = make(TINY), make(dataclasses.replace(TINY, attention="pallas_interpret"))
+  xla, pallas = make(TINY), make(dataclasses.replace(TINY, attention=impl))
   lengths = np.array([9, 4, 1])
   tokens = jax.random.randint(jax.random.key(0), (3, 9), 0, TINY.vocab_size).astype(jnp.int32)
   valid = jnp.arange(9)[None] < jnp.asarray(lengths)[:, None]
@@ -165,18 +260,16 @@ def _tpu_devices():
 
 def compile_attention_for_tpu(impl: str, devices, b: int, t: int, kh: int, g: int, dh: int,
                               mesh_axes=(("data", 2), ("fsdp", 1), ("tensor", 2)),
-                              dtype=jnp.bfloat16, pass_valid=True):
+                              dtype=jnp.bfloat16):
   """AOT-compiles one layer's causal attention forward + backward (grads of q, k, v) for the
-  TPU `devices`, under their mesh; returns the compiled program. pass_valid: give the seam
-  `valid` [B, T] rather than the [B, T, T] mask."""
+  TPU `devices`, under their mesh; returns the compiled program."""
   mesh = sharding.make_mesh(list(mesh_axes), devices)
   q_spec = sharding.logical_to_spec(("batch", None, "kv_heads", None, None), (b, t, kh, g, dh),
                                     mesh)
   kv_spec = sharding.logical_to_spec(("batch", None, "kv_heads", None), (b, t, kh, dh), mesh)
   valid_spec = sharding.logical_to_spec(("batch", None), (b, t), mesh)
   def step(q, k, v, valid):
-    mask = valid if pass_valid else jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
-    loss = lambda q, k, v: jnp.sum(self_attention(q, k, v, mask, impl).astype(jnp.float32))
+    loss = lambda q, k, v: jnp.sum(self_attention(q, k, v, valid, impl).astype(jnp.float32))
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
   shard = lambda spec: NamedSharding(mesh, spec)
   in_shardings = (shard(q_spec), shard(kv_spec), shard(kv_spec), shard(valid_spec))

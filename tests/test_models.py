@@ -215,9 +215,10 @@ def test_blocks_as_a_scan_give_the_unrolled_loss_and_gradients(model, remat):
   assert "stablehlo.while" in scan_program  # a loop over the blocks, not TINY's two copies
 
 
-def test_layer_loop_auto_unrolls_on_cpu_and_scans_elsewhere():
+def test_layer_loop_auto_scans_with_remat_or_off_cpu():
   from agentgym_jax.models.decoder import resolve_layer_loop  # pylint: disable=import-outside-toplevel
   assert resolve_layer_loop("auto", "cpu") == "unroll"
+  assert resolve_layer_loop("auto", "cpu", remat=True) == "scan"
   assert resolve_layer_loop("auto", "tpu") == resolve_layer_loop("auto", "gpu") == "scan"
   assert resolve_layer_loop("unroll", "tpu") == "unroll"
   with pytest.raises(ValueError, match="layer_loop 'scanned' is not one of"):

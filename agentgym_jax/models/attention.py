@@ -1,34 +1,43 @@
-"""Attention of the decoder, behind one seam: XLA einsums or a Pallas TPU kernel.
+"""Attention of the decoder, behind one seam: a registry of kernels, one chosen per backend.
 
 Every program calls one of two functions here, with `ModelConfig.attention` as `impl`:
 
 * `self_attention`: the training forward (`Block.__call__`), causal over a right-padded chunk.
-* `cache_attention`: `Backbone.extend`, a chunk's queries at positions lengths[b] + t against
+* `cache_attention`: `Backbone.extend`, a chunk's queries at positions starts[b] + t against
   the KV cache (prefill is extend on an empty cache; decode is extend with T = 1).
 
-Implementations (`impl`, see `resolve_attention`):
+Kernels (`KERNELS`; a new one is one `register_kernel` call with its two forms):
 
-* "xla": `causal_attention` / `cached_attention` below, the einsum forms tuned on XLA:CPU.
+* "xla": einsums with a [T, S] score matrix per layer and row (`attention`,
+  `causal_attention`, `cached_attention` below), tuned on XLA:CPU. Its memory grows with the
+  square of the length; it stays as the reference the others are tested against.
+* "blockwise": flash attention in plain JAX (`flash_attention`): query blocks against key
+  blocks with an online softmax, the gradient recomputed block by block in a custom VJP
+  (FlashAttention-2, arXiv 2307.08691, Algorithms 1 and 2), so no program holds more than one
+  block of scores. Key blocks past a query block's last visible key (above the causal diagonal,
+  or past every row's last valid key) are never visited. Any backend.
+* "cudnn": `jax.nn.dot_product_attention` with cuDNN's fused flash kernel for the training
+  forward where its constraints hold (GPU, bf16/fp16, head_dim <= 128 and a multiple of 8),
+  else "blockwise"; extend is "blockwise".
 * "pallas": splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), a flash
-  kernel that never holds a [T, S] score matrix; TPU only. The training forward and extend
-  with T > 1 (prefill, observation chunks) use it; decode (T = 1) stays on XLA, since a
-  kernel's query block of one row would be mostly padding and a decode step is bound by
-  reading the cache, which the XLA form already does once.
-* "pallas_interpret": the same kernel run by the Pallas interpreter, on any backend (for
-  tests on CPU; slow).
-* "auto": "pallas" when compiling for TPU, else "xla". It is resolved when a program is
-  traced, against `jax.default_backend()`. A program compiled ahead of time for TPU on a CPU
-  host (the TPU plan) must resolve it for the target first:
-  `dataclasses.replace(cfg, attention=resolve_attention(cfg.attention, "tpu"))`.
+  kernel for TPU; "pallas_interpret" runs the same kernel in the Pallas interpreter on any
+  backend (tests on CPU; slow).
+* "auto": `AUTO[platform]`, resolved when a program is traced against
+  `jax.default_backend()`; a program compiled ahead of time for another backend (the TPU plan)
+  resolves it for its target first: `resolve_attention(cfg.attention, "tpu")`.
 
-How the kernel expresses the masks:
+Decode (T = 1) runs the XLA form under every kernel: one query row per kv group would leave a
+kernel's query block mostly padding, its scores are [B, H, S] (no T^2), and a decode step is
+bound by reading the cache, which the XLA form does once.
+
+How the splash kernel expresses the masks:
 
 * Training: the static causal mask, plus segment ids = valid (0/1) for queries and keys. A
   valid query sees exactly the valid keys s <= t (as in XLA); a padded query sees the padded
   keys s <= t, itself included, so no row is empty (an empty row has no defined softmax).
   Padded queries' outputs differ from XLA's but are finite, and nothing reads them.
 * Extend: per-row offsets are no static mask, so the keys are laid out as [the cache's S view
-  slots; the chunk's own T keys]: old slots visible where s < lengths[b] (segment ids), the
+  slots; the chunk's own T keys]: old slots visible where s < starts[b] (segment ids), the
   chunk causal among itself (the static mask q + S >= kv). The chunk's keys are read back
   from the cache (where `KVCache.write` just put them), so their values are the ones XLA sees.
 * Sequences are padded to a multiple of the kernel's blocks; padded keys carry segment id 0.
@@ -36,35 +45,116 @@ How the kernel expresses the masks:
   `shard_map`: rows over the batch axes, kv heads over `tensor` where they divide (a Pallas
   call cannot be partitioned by GSPMD).
 
-What the kernel saves in HBM at 12,288 tokens, compiled ahead of time for TPU, is in
-docs/tpu.md.
+What the kernels save in memory, compiled for TPU and for this host's CPU, is in docs/tpu.md
+and benchmarks/README.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from agentgym_jax import sharding
-from agentgym_jax.models.config import ATTENTION_IMPLS
 
 _NEG_INF = -1e30  # finite, so a row with no visible key gives a uniform softmax, not NaN
 
 
-def resolve_attention(impl: str, platform: str | None = None) -> str:
-  """The implementation `impl` names on `platform`: "auto" -> "pallas" on "tpu", else "xla".
+# ----- the registry ---------------------------------------------------------------------------
 
-  `platform` None is `jax.default_backend()`; pass the target's ("tpu") when compiling ahead
-  of time for devices other than the host's. Other values come back unchanged.
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+  """One attention implementation: the two forms the decoder calls.
+
+  self_attention(q, k, v, valid) -> out: q [B, T, K, G, Dh], k and v [B, T, K, Dh], valid
+    [B, T] bool (right-padded rows); query t sees the valid keys s <= t. out [B, T, K*G*Dh].
+  cache_attention(q, k_cache, v_cache, starts) -> out: q [B, T, K, G, Dh] at positions
+    starts[b] + t, k_cache [B, K, Dh, S], v_cache [B, K, S, Dh] holding the chunk's own keys
+    at those slots; query t sees slots s <= starts[b] + t. out [B, T, K*G*Dh]. Called with
+    T > 1 only (decode is the XLA form's, module docstring).
   """
-  if impl not in ATTENTION_IMPLS:
-    raise ValueError(f"attention {impl!r} is not one of {ATTENTION_IMPLS}.")
-  if impl != "auto":
+
+  self_attention: Callable[..., jax.Array]
+  cache_attention: Callable[..., jax.Array]
+
+
+KERNELS: dict[str, Kernel] = {}
+
+# "auto" by backend (`jax.default_backend()` names GPUs "gpu"); any other backend: blockwise.
+AUTO = {"tpu": "pallas", "gpu": "cudnn"}
+_AUTO_ELSEWHERE = "blockwise"
+
+
+def register_kernel(name: str, self_attention: Callable[..., jax.Array],
+                    cache_attention: Callable[..., jax.Array]) -> None:
+  """Adds a kernel under `name` (a `ModelConfig.attention` value from then on)."""
+  if name in KERNELS or name == "auto":
+    raise ValueError(f"attention kernel {name!r} is already registered.")
+  KERNELS[name] = Kernel(self_attention, cache_attention)
+
+
+def attention_names() -> tuple[str, ...]:
+  """The values `ModelConfig.attention` accepts: "auto" and every registered kernel."""
+  return ("auto", *KERNELS)
+
+
+def check_attention(impl: str) -> str:
+  """`impl` itself when it names a kernel or "auto"; else ValueError listing the names."""
+  if impl not in attention_names():
+    raise ValueError(f"attention {impl!r} is not one of {attention_names()}.")
+  return impl
+
+
+def resolve_attention(impl: str, platform: str | None = None) -> str:
+  """The kernel `impl` names on `platform` (None: `jax.default_backend()`): "auto" ->
+  `AUTO[platform]` ("pallas" on TPU, "cudnn" on GPU, else "blockwise"); a kernel's own name
+  comes back unchanged. Pass the target's platform when compiling ahead of time for devices
+  other than the host's."""
+  if check_attention(impl) != "auto":
     return impl
-  return "pallas" if (platform or jax.default_backend()) == "tpu" else "xla"
+  return AUTO.get(platform or jax.default_backend(), _AUTO_ELSEWHERE)
+
+
+# ----- the seam -------------------------------------------------------------------------------
+
+def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, impl: str
+                   ) -> jax.Array:
+  """Causal self-attention of a right-padded chunk (the training forward).
+
+  Args:
+    q: [B, T, K, G, Dh] queries; k, v: [B, T, K, Dh] (as `Block.project_qkv` returns them).
+    valid: [B, T] bool; query t sees the valid keys s <= t.
+    impl: a `ModelConfig.attention` value.
+
+  Returns:
+    [B, T, K * G * Dh], heads ordered as transformers orders them (h = k * G + g). Outputs of
+    padded queries are finite and depend on the kernel; nothing should read them.
+  """
+  return KERNELS[resolve_attention(impl)].self_attention(q, k, v, valid.astype(bool))
+
+
+def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array,
+                    impl: str) -> jax.Array:
+  """A chunk's attention over the KV cache it was just written into (extend and decode).
+
+  Args:
+    q: [B, T, K, G, Dh] queries of row b at positions starts[b] + t.
+    k_cache: [B, K, Dh, S] keys (the cache's layout), the chunk's at slots starts[b] + t.
+    v_cache: [B, K, S, Dh] values, likewise.
+    starts: [B] int32, the rows' lengths before the chunk.
+    impl: a `ModelConfig.attention` value.
+
+  Returns:
+    [B, T, K * G * Dh].
+  """
+  impl = resolve_attention(impl)
+  if q.shape[1] == 1:  # decode stays on XLA (module docstring)
+    return _xla_cache(q, k_cache, v_cache, starts)
+  return KERNELS[impl].cache_attention(q, k_cache, v_cache, starts)
 
 
 # ----- XLA ------------------------------------------------------------------------------------
@@ -181,53 +271,211 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
   return out.reshape(b, t, kh * g * dh)
 
 
-# ----- the seam -------------------------------------------------------------------------------
+def _positions(starts: jax.Array, t: int) -> jax.Array:
+  """[B, T] int32: the positions starts[b] + t of a chunk's queries."""
+  return starts.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
 
-def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, impl: str
-                   ) -> jax.Array:
-  """Causal self-attention of a right-padded chunk (the training forward).
+
+def _xla_self(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
+  t = q.shape[1]
+  mask = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
+  return causal_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
+
+
+def _xla_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array
+               ) -> jax.Array:
+  mask = (jnp.arange(v_cache.shape[2])[None, None, :]
+          <= _positions(starts, q.shape[1])[:, :, None])
+  return cached_attention(q, k_cache, v_cache, mask)
+
+
+# ----- blockwise (flash attention in plain JAX) -----------------------------------------------
+
+# Largest query and key block of `flash_attention`: one block's scores are K * G * 512 * 512
+# floats per row (9 MiB for SmolLM2's 9 heads), large enough for fast matmuls on a CPU.
+_FLASH_BLOCK = 512
+
+
+def _flash_block(n: int, largest: int = _FLASH_BLOCK) -> int:
+  """Block size for a sequence of n: n split into ceil(n / largest) near-equal blocks, so
+  padding stays under one row per block (600 tokens: 2 blocks of 300, not 2 of 512)."""
+  return -(-n // -(-n // largest))
+
+
+def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
+                    kv_valid: jax.Array, block_q: int | None = None,
+                    block_k: int | None = None) -> jax.Array:
+  """Attention without a [T, S] score matrix: query t of row b sees key s where
+  kv_valid[b, s] and s <= q_pos[b, t].
 
   Args:
-    q: [B, T, K, G, Dh] queries; k, v: [B, T, K, Dh] (as `Block.project_qkv` returns them).
-    mask: [B, T, T] bool, causal & valid[b, s] (query t sees valid keys s <= t), or `valid`
-      [B, T] itself. The kernel needs only `valid` (a [B, T, T] mask's last row), and given
-      `valid` no [B, T, T] mask is built for it (T^2 bytes per row: 151 MB at 12,288 tokens).
-    impl: a `ModelConfig.attention` value.
+    q: [B, T, K, G, Dh] queries (K kv heads, G query heads each).
+    k, v: [B, K, S, Dh] keys and values, heads first.
+    q_pos: [B, T] int32 positions of the queries (a query at -1 sees nothing).
+    kv_valid: [B, S] bool.
+    block_q, block_k: block sizes (default `_flash_block` of T and S).
 
   Returns:
-    [B, T, K * G * Dh].
+    [B, T, K * G * Dh] in q's dtype (h = k * G + g); 0 for a query that sees no key.
   """
-  impl = resolve_attention(impl)
-  if impl == "xla":
-    if mask.ndim == 2:
-      mask = jnp.tril(jnp.ones((q.shape[1],) * 2, bool))[None] & mask[:, None, :].astype(bool)
-    return causal_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
-  valid = mask if mask.ndim == 2 else mask[:, -1, :]
-  return _sharded(_splash_self, impl == "pallas_interpret",
-                  (q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), valid),
-                  ("batch", None, "kv_heads", None, None))
+  b, t, kh, g, dh = q.shape
+  s = k.shape[2]
+  block_q = block_q or _flash_block(t)
+  block_k = block_k or _flash_block(s)
+  nq, nk = -(-t // block_q), -(-s // block_k)
+  # Queries as [nq, B, K, R, Dh], R = block_q * G rows (query t_local * G + g), each with its
+  # position; keys padded to nk whole blocks, the padding invalid.
+  q = jnp.pad(q, ((0, 0), (0, nq * block_q - t), (0, 0), (0, 0), (0, 0)))
+  q = q.reshape(b, nq, block_q, kh, g, dh).transpose(1, 0, 3, 2, 4, 5)
+  q = q.reshape(nq, b, kh, block_q * g, dh)
+  q_pos = jnp.pad(q_pos.astype(jnp.int32), ((0, 0), (0, nq * block_q - t)), constant_values=-1)
+  q_pos = jnp.repeat(q_pos.reshape(b, nq, block_q).transpose(1, 0, 2), g, axis=2)
+  pad_k = ((0, 0), (0, 0), (0, nk * block_k - s), (0, 0))
+  kv_valid = jnp.pad(kv_valid.astype(bool), ((0, 0), (0, nk * block_k - s)))
+  out = _flash(q, jnp.pad(k, pad_k), jnp.pad(v, pad_k), q_pos, kv_valid, block_k)
+  out = out.reshape(nq, b, kh, block_q, g, dh).transpose(1, 0, 3, 2, 4, 5)
+  return out.reshape(b, nq * block_q, kh * g * dh)[:, :t].astype(v.dtype)
 
 
-def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array,
-                    mask: jax.Array, impl: str) -> jax.Array:
-  """A chunk's attention over the KV cache it was just written into (extend and decode).
+def _key_blocks(q_pos: jax.Array, kv_valid: jax.Array, block_k: int) -> jax.Array:
+  """How many key blocks a query block visits: up to its last query's position and no
+  further than the last valid key of any row (int32 scalar, 0 when it sees nothing)."""
+  last_valid = jnp.max(jnp.where(kv_valid, jnp.arange(kv_valid.shape[1]), -1))
+  last = jnp.minimum(jnp.max(q_pos), last_valid)
+  return jnp.maximum(last // block_k + 1, 0)
 
-  Args:
-    q: [B, T, K, G, Dh] queries of row b at positions starts[b] + t.
-    k_cache: [B, K, Dh, S] keys (the cache's layout), the chunk's at slots starts[b] + t.
-    v_cache: [B, K, S, Dh] values, likewise.
-    starts: [B] int32, the rows' lengths before the chunk.
-    mask: [B, T, S] bool, s <= starts[b] + t (read by the XLA form only).
-    impl: a `ModelConfig.attention` value.
 
-  Returns:
-    [B, T, K * G * Dh].
-  """
-  impl = resolve_attention(impl)
-  if impl == "xla" or q.shape[1] == 1:  # decode stays on XLA (module docstring)
-    return cached_attention(q, k_cache, v_cache, mask)
-  return _sharded(_splash_extend, impl == "pallas_interpret", (q, k_cache, v_cache, starts),
-                  ("batch", None, "kv_heads", None, None))
+def _block_scores(q: jax.Array, k: jax.Array, q_pos: jax.Array, kv_valid: jax.Array,
+                  j: jax.Array, block_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Scores of query rows q [B, K, R, Dh] against key block j of k [B, K, S, Dh]: (scores
+  [B, K, R, bk] float32 with the masked ones at -inf, mask [B, 1, R, bk], the block's keys)."""
+  kj = jax.lax.dynamic_slice_in_dim(k, j * block_k, block_k, axis=2)
+  valid = jax.lax.dynamic_slice_in_dim(kv_valid, j * block_k, block_k, axis=1)
+  slots = j * block_k + jnp.arange(block_k)
+  mask = valid[:, None, None, :] & (slots[None, None, None, :] <= q_pos[:, None, :, None])
+  scores = jnp.einsum("bkrd,bksd->bkrs", q, kj, preferred_element_type=jnp.float32)
+  scores = jnp.where(mask, scores * (q.shape[-1] ** -0.5), _NEG_INF)
+  return scores, mask, kj
+
+
+def _flash_forward(q, k, v, q_pos, kv_valid, block_k):
+  """Output [nq, B, K, R, Dh] float32 and log-sum-exp [nq, B, K, R] of query blocks q
+  [nq, B, K, R, Dh] (`flash_attention`'s layout); a row that sees no key gets 0 and a
+  log-sum-exp of +1e30, so that its recomputed probabilities are 0."""
+
+  def query_block(args):
+    qi, pos = args
+    rows = qi.shape[:3]
+
+    def key_block(j, carry):
+      peak, total, acc = carry
+      scores, mask, _ = _block_scores(qi, k, pos, kv_valid, j, block_k)
+      vj = jax.lax.dynamic_slice_in_dim(v, j * block_k, block_k, axis=2)
+      new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
+      p = jnp.where(mask, jnp.exp(scores - new_peak[..., None]), 0.0)
+      shrink = jnp.exp(peak - new_peak)
+      acc = acc * shrink[..., None] + jnp.einsum("bkrs,bksd->bkrd", p.astype(v.dtype), vj,
+                                                 preferred_element_type=jnp.float32)
+      return new_peak, total * shrink + jnp.sum(p, axis=-1), acc
+
+    init = (jnp.full(rows, _NEG_INF, jnp.float32), jnp.zeros(rows, jnp.float32),
+            jnp.zeros(rows + (qi.shape[-1],), jnp.float32))
+    peak, total, acc = jax.lax.fori_loop(0, _key_blocks(pos, kv_valid, block_k), key_block,
+                                         init)
+    seen = total > 0
+    out = acc / jnp.where(seen, total, 1.0)[..., None]
+    return out, jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1.0)), -_NEG_INF)
+
+  return jax.lax.map(query_block, (q, q_pos))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, q_pos, kv_valid, block_k):
+  return _flash_forward(q, k, v, q_pos, kv_valid, block_k)[0]
+
+
+def _flash_fwd(q, k, v, q_pos, kv_valid, block_k):
+  out, lse = _flash_forward(q, k, v, q_pos, kv_valid, block_k)
+  return out, (q, k, v, q_pos, kv_valid, out, lse)
+
+
+def _flash_bwd(block_k, residuals, d_out):
+  """FlashAttention-2's backward (arXiv 2307.08691, Algorithm 2): per query block, the key
+  blocks it visited again, probabilities recomputed from the saved log-sum-exp."""
+  q, k, v, q_pos, kv_valid, out, lse = residuals
+  scale = q.shape[-1] ** -0.5
+  d_out = d_out.astype(jnp.float32)
+  delta = jnp.sum(d_out * out, axis=-1)  # [nq, B, K, R]: rowsum(dO * O)
+
+  def query_block(carry, args):
+    dk, dv = carry
+    qi, pos, do, lse_i, delta_i = args
+
+    def key_block(j, carry):
+      dq, dk, dv = carry
+      scores, mask, kj = _block_scores(qi, k, pos, kv_valid, j, block_k)
+      vj = jax.lax.dynamic_slice_in_dim(v, j * block_k, block_k, axis=2)
+      p = jnp.where(mask, jnp.exp(scores - lse_i[..., None]), 0.0)
+      dp = jnp.einsum("bkrd,bksd->bkrs", do, vj, preferred_element_type=jnp.float32)
+      ds = p * (dp - delta_i[..., None]) * scale
+      dq = dq + jnp.einsum("bkrs,bksd->bkrd", ds, kj, preferred_element_type=jnp.float32)
+      add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(
+          acc, jax.lax.dynamic_slice_in_dim(acc, j * block_k, block_k, axis=2) + x,
+          j * block_k, axis=2)
+      dk = add(dk, jnp.einsum("bkrs,bkrd->bksd", ds, qi, preferred_element_type=jnp.float32))
+      dv = add(dv, jnp.einsum("bkrs,bkrd->bksd", p, do, preferred_element_type=jnp.float32))
+      return dq, dk, dv
+
+    dq, dk, dv = jax.lax.fori_loop(0, _key_blocks(pos, kv_valid, block_k), key_block,
+                                   (jnp.zeros(qi.shape, jnp.float32), dk, dv))
+    return (dk, dv), dq
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), (q, q_pos, d_out, lse, delta))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _blockwise_self(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
+  positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), valid.shape)
+  return flash_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, valid)
+
+
+def _blockwise_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array
+                     ) -> jax.Array:
+  every_slot = jnp.ones((q.shape[0], v_cache.shape[2]), bool)
+  return flash_attention(q, k_cache.swapaxes(2, 3), v_cache, _positions(starts, q.shape[1]),
+                         every_slot)
+
+
+# ----- cuDNN (GPU) ----------------------------------------------------------------------------
+
+def cudnn_supports(q: jax.Array) -> bool:
+  """Whether cuDNN's fused attention takes these queries: half precision, head_dim <= 128 and
+  a multiple of 8 (`jax.nn.dot_product_attention`'s cuDNN constraints)."""
+  dh = q.shape[-1]
+  return q.dtype in (jnp.bfloat16, jnp.float16) and dh <= 128 and dh % 8 == 0
+
+
+def dot_product_self(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
+                     implementation: str | None = "cudnn") -> jax.Array:
+  """Causal self-attention of right-padded rows by `jax.nn.dot_product_attention`: the causal
+  mask and each row's valid length (`key_value_seq_lengths`), no mask array. `implementation`
+  "xla" runs the same call on any backend (tests)."""
+  b, t, kh, g, dh = q.shape
+  lengths = jnp.maximum(jnp.sum(valid, axis=1, dtype=jnp.int32), 1)
+  out = jax.nn.dot_product_attention(q.reshape(b, t, kh * g, dh), k, v, is_causal=True,
+                                     key_value_seq_lengths=lengths,
+                                     implementation=implementation)
+  return out.reshape(b, t, kh * g * dh)
+
+
+def _cudnn_self(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
+  if cudnn_supports(q):
+    return dot_product_self(q, k, v, valid)
+  return _blockwise_self(q, k, v, valid)
 
 
 # ----- Pallas (splash attention) --------------------------------------------------------------
@@ -351,3 +599,24 @@ def _sharded(fn, interpret: bool, args: tuple[jax.Array, ...],
   body = functools.partial(fn, interpret=interpret)
   return jax.shard_map(body, in_specs=(q_spec,) + in_specs, out_specs=P(batch, None, out_heads),
                        check_vma=False)(*args)
+
+
+def _pallas(interpret: bool) -> tuple[Callable[..., jax.Array], Callable[..., jax.Array]]:
+  """The splash kernel's two forms (`Kernel`), run by Mosaic or by the Pallas interpreter."""
+  names = ("batch", None, "kv_heads", None, None)
+
+  def self_form(q, k, v, valid):
+    return _sharded(_splash_self, interpret,
+                    (q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), valid), names)
+
+  def cache_form(q, k_cache, v_cache, starts):
+    return _sharded(_splash_extend, interpret, (q, k_cache, v_cache, starts), names)
+
+  return self_form, cache_form
+
+
+register_kernel("xla", _xla_self, _xla_cache)
+register_kernel("blockwise", _blockwise_self, _blockwise_cache)
+register_kernel("cudnn", _cudnn_self, _blockwise_cache)
+register_kernel("pallas", *_pallas(interpret=False))
+register_kernel("pallas_interpret", *_pallas(interpret=True))

@@ -17,6 +17,8 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from agentgym_jax.models import attention
+
 # model_type -> (q/k/v biases, q/k RMSNorm)
 _FAMILIES = {
     "qwen2": (True, False),
@@ -29,10 +31,8 @@ _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
 }
 _DTYPES = ("float32", "bfloat16")
-# Attention implementations (see `models.attention`): "auto" = the Pallas kernel on TPU, else
-# XLA; "pallas_interpret" runs the kernel in the Pallas interpreter on any backend (tests).
-ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
-# How the training forward runs the blocks: "auto" (scan on accelerators, unroll on CPU).
+# How the training forward runs the blocks: "auto" (scan on accelerators and wherever remat is
+# on, else unrolled), "scan" or "unroll" (`decoder.resolve_layer_loop`).
 LAYER_LOOPS = ("auto", "scan", "unroll")
 
 
@@ -61,9 +61,9 @@ class ModelConfig:
     remat: recompute each block's activations in the backward pass (saves memory).
     layer_loop: the training forward's blocks as a `lax.scan` ("scan"), a Python loop
       ("unroll") or "auto" (`decoder.resolve_layer_loop`).
-    attention: "auto" | "xla" | "pallas" | "pallas_interpret", the attention implementation
-      (`models.attention`); "auto" resolves when a program is traced, to the Pallas kernel
-      on TPU (`attention.resolve_attention`).
+    attention: "auto" or a kernel of `models.attention.KERNELS` ("blockwise", "xla", "cudnn",
+      "pallas", ...); "auto" resolves when a program is traced, per backend
+      (`attention.resolve_attention`).
     initializer_range: std of the normal initialiser for fresh weights.
     bos_token_id, eos_token_id, pad_token_id: carried through for export only.
   """
@@ -105,8 +105,7 @@ class ModelConfig:
       raise ValueError(f"head_dim {self.head_dim} must be even for RoPE.")
     if self.param_dtype not in _DTYPES:
       raise ValueError(f"param_dtype {self.param_dtype!r} is not one of {_DTYPES}.")
-    if self.attention not in ATTENTION_IMPLS:
-      raise ValueError(f"attention {self.attention!r} is not one of {ATTENTION_IMPLS}.")
+    attention.check_attention(self.attention)
     if self.layer_loop not in LAYER_LOOPS:
       raise ValueError(f"layer_loop {self.layer_loop!r} is not one of {LAYER_LOOPS}.")
     if self.model_type not in _FAMILIES:

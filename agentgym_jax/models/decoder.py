@@ -14,10 +14,10 @@ output axis splits cleanly under tensor parallelism:
 
 Every parameter carries logical axis names in its `out_sharding` metadata (`vocab`, `embed`,
 `qkv`, `heads`, `mlp`, `norm`, `head_dim`); `agentgym_jax.sharding` maps them to mesh axes.
-The training forward runs its blocks as a Python loop (unrolled) on CPU, where scanning them
-cost training throughput in the project's feasibility measurements, and as a `lax.scan` on
-accelerators (`ModelConfig.layer_loop`, `_scan_blocks`); parameters are one array per layer
-either way.
+The training forward runs its blocks as a `lax.scan` on accelerators, and on CPU when remat is
+on (the only way XLA:CPU holds one block's activations), else as a Python loop, the faster one
+on CPU (`ModelConfig.layer_loop`, `resolve_layer_loop`, `_scan_blocks`); parameters are one
+array per layer either way.
 
 The full-sequence (training) forward takes its RoPE tables as host constants, normalises the
 softmax after the value matmul and skips the key blocks above the causal diagonal: work outside
@@ -140,24 +140,28 @@ class Block(nnx.Module):
     h = jax.nn.silu(h[..., 0]) * h[..., 1]
     return x + dense(h, self.down[...])
 
-  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, mask: jax.Array
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, valid: jax.Array
                ) -> jax.Array:
-    """Self-attention over the chunk itself: x [B, T, D] -> [B, T, D]; `mask` is the causal
-    mask [B, T, T] or, for the kernel, `valid` [B, T] (`attention.self_attention`)."""
+    """Causal self-attention over the chunk itself: x [B, T, D], valid [B, T] -> [B, T, D]."""
     q, k, v = self.project_qkv(x, cos, sin)
-    out = attention_lib.self_attention(q, k, v, mask, self.cfg.attention)
+    out = attention_lib.self_attention(q, k, v, valid, self.cfg.attention)
     return self.finish(x, out)
 
 
-def resolve_layer_loop(loop: str, platform: str | None = None) -> str:
+def resolve_layer_loop(loop: str, platform: str | None = None, remat: bool = False) -> str:
   """`ModelConfig.layer_loop` on `platform` (None: `jax.default_backend()`): "auto" scans the
-  blocks on accelerators and unrolls them on CPU, where a scan cost about a quarter of the
-  training throughput in the project's feasibility measurements."""
+  blocks on accelerators, and on CPU when `remat` is on; else it unrolls them.
+
+  On CPU, XLA's scheduler does not honour remat across unrolled blocks (every block's
+  activations stay live), while a scan holds one block's: remat bounds memory there only as a
+  scan. Without remat the unrolled loop is the faster one on CPU (benchmarks/README.md,
+  Memory)."""
   if loop not in LAYER_LOOPS:
     raise ValueError(f"layer_loop {loop!r} is not one of {LAYER_LOOPS}.")
   if loop != "auto":
     return loop
-  return "unroll" if (platform or jax.default_backend()) == "cpu" else "scan"
+  on_cpu = (platform or jax.default_backend()) == "cpu"
+  return "unroll" if on_cpu and not remat else "scan"
 
 
 def _scan_blocks(layer, blocks: list[Block], x: jax.Array) -> jax.Array:
@@ -201,17 +205,14 @@ class Backbone(nnx.Module):
     t = tokens.shape[1]
     # Static positions 0..T-1: RoPE tables become constants, not sin/cos inside the fusions.
     cos, sin = rope_tables(self.cfg, np.arange(t, dtype=np.int32)[None])  # [1, T, Dh]
-    if attention_lib.resolve_attention(self.cfg.attention) == "xla":
-      mask = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :].astype(bool)
-    else:  # the kernel reads `valid` alone: no [B, T, T] mask
-      mask = valid.astype(bool)
+    valid = valid.astype(bool)
 
     def layer(block: Block, x: jax.Array) -> jax.Array:
-      return sharding.constrain(block(x, cos, sin, mask), _ACTIVATION)
+      return sharding.constrain(block(x, cos, sin, valid), _ACTIVATION)
 
     layer = nnx.remat(layer) if self.cfg.remat else layer
     x = sharding.constrain(self._embed(tokens), _ACTIVATION)
-    if resolve_layer_loop(self.cfg.layer_loop) == "scan":
+    if resolve_layer_loop(self.cfg.layer_loop, remat=self.cfg.remat) == "scan":
       x = _scan_blocks(layer, list(self.layers), x)
     else:
       for block in self.layers:
@@ -228,15 +229,13 @@ class Backbone(nnx.Module):
     starts = cache.lengths
     positions = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     cos, sin = rope_tables(self.cfg, positions)
-    view = cache.view_len  # slots past the longest row's reach hold nothing to attend to
-    mask = jnp.arange(view)[None, None, :] <= positions[:, :, None]
     x = sharding.constrain(self._embed(tokens), _ACTIVATION)
     ks, vs = [], []
     for i, block in enumerate(self.layers):
       q, k, v = block.project_qkv(x, cos, sin)
       k_buf, v_buf = cache.write(i, k, v, starts)
       out = attention_lib.cache_attention(q, *cache.attention_view(k_buf, v_buf, q), starts,
-                                          mask, self.cfg.attention)
+                                          self.cfg.attention)
       x = sharding.constrain(block.finish(x, out), _ACTIVATION)
       ks.append(k_buf)
       vs.append(v_buf)

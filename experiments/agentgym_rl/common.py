@@ -278,9 +278,11 @@ def smollm2_on_cpu(c: ml_collections.ConfigDict) -> None:
   # AgentGym's Thought/Action replies take 20-60 SmolLM2 tokens; the paper's 200-512-token
   # cap would mostly buy rambling, decoded a token at a time on the CPU.
   c.rollout.max_reply_tokens = 128
-  # On XLA:CPU remat does not bound the update's memory (all 30 layers' attention scores stay
-  # live): a one-row gradient's temporaries measured 4.7 GiB at 1024 tokens and 16 GiB at 2048,
-  # so 2048 is the longest episode that fits 24 GB. The opening takes 430-510 tokens.
+  # One block's activations at a time: remat makes the blocks a scan on CPU as well
+  # (`decoder.resolve_layer_loop`), and "auto" attention is blockwise there (no [T, T] scores),
+  # so the update's memory grows linearly with the row (benchmarks/README.md, Memory). The
+  # opening takes 430-510 tokens.
+  c.model.remat = True
   c.rollout.max_context = 2048
   # Upstream's 1e-6 is tuned for 3B/7B models; a 135M model moves little in a short run at it.
   c.optim.lr = 1e-5

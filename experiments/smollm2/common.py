@@ -38,6 +38,7 @@ class EnvSetting:
   eval_tasks: int  # held-out: the first eval_tasks test tasks (0 = all of them).
   bc_tasks: int  # BC: the expert's episodes of this many train tasks, each seen once.
   rl_steps: int
+  max_context: int = 1536  # tokens of an episode (rollout.max_context).
   categories: tuple[str, ...] = ()  # the task categories studied (config.env.categories).
   rl_categories: tuple[str, ...] = ()  # RL trains on these of them (empty: all).
 
@@ -65,9 +66,10 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
   # Trained replies are 20-40 tokens ("Thought: ...\n\nAction:\ngo to red ball 1"); the cap
   # bounds the rambling of zero-shot replies, decoded a token at a time on the CPU.
   c.rollout.max_reply_tokens = s.max_reply_tokens
-  # The opening (~470-510 tokens) and the turns of both environments' expert episodes fit in
-  # 1536 tokens; shorter rows keep the one-row update's memory and time down.
-  c.rollout.max_context = 1536
+  # The opening (~470-510 tokens) and the turns of BabyAI's expert episodes fit in 1536 tokens;
+  # the update's rows are as long as the batch's longest episode, so a longer limit costs only
+  # where an episode uses it.
+  c.rollout.max_context = s.max_context
   c.eval.num_tasks = s.eval_tasks
   c.checkpoint.keep = 1
   c.checkpoint.export_hf = False

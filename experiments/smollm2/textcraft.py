@@ -41,6 +41,9 @@ SETTING = common.EnvSetting(
     env="textcraft", env_kwargs={},
     # The expert needs 2-3 turns for a depth-1 goal and 3-10 for a depth-2 one.
     turns=10, max_reply_tokens=48,
+    # 10 turns of TextCraft's long crafting observations (AgentGym's episodes run to 4-12k
+    # tokens): room for them, now that the update's memory grows linearly with the row.
+    max_context=4096,
     # Held-out: all 72 depth-1 and depth-2 test goals (31 + 41).
     eval_tasks=0,
     # 16 depth-1 and 16 depth-2 train goals, taken in turn.
