@@ -1,15 +1,21 @@
-r"""Compile one training step for a TPU slice on any machine, and say whether it fits.
+r"""Compile one training step for a TPU slice on any machine, or for this machine, and say
+whether it fits.
 
     python -m agentgym_jax.plan --topology=v4-32 \
       --config=experiments/agentgym_rl/searchqa.py:schedule=scaling_inter,model=7b
+    JAX_PLATFORMS=cpu python -m agentgym_jax.plan --topology=cpu \
+      --config=experiments/smollm2/babyai.py:stage=rl,init=/nowhere --only=update
 
 With PyPI's libtpu installed (`pip install -e ".[tpu]"`), XLA compiles for a TPU topology
 that is not there (ahead of time: `jax.jit(f).lower(abstract args).compile()`), and the
 compiled program says how many bytes each chip needs; a program that does not fit a chip's
 HBM fails to compile. MaxText checks pod configs the same way (train_compile.py).
+`--topology=cpu` (or `gpu`) compiles the same programs for this process's own devices, and
+compares them with the host's RAM (or the GPU's memory); XLA:CPU compiles a program of any
+size, so there the comparison is the plan's. Both are a `targets.Target`.
 
 The plan builds what `train/loop.py` builds, abstractly and with the trainer's own functions:
-the mesh of `config.mesh` on the slice's devices, the train state's shapes and shardings (the
+the mesh of `config.mesh` on the target's devices, the train state's shapes and shardings (the
 model's shapes from the experiment, from `models.published` when its checkpoint is not on
 disk; no weight is read), and then compiles the programs of one step at the config's
 largest shapes:
@@ -23,13 +29,14 @@ largest shapes:
 Each host rolls out its own rows on its own chips (agentgym_jax/multihost.py), so the rollout
 programs compile for one host of the slice's generation (a compile for part of a slice's
 devices fails inside libtpu) with the rows and params of one host. A program's row counts
-what its chip holds while it runs: its arguments, outputs and temporaries (XLA's
+what its device holds while it runs: its arguments, outputs and temporaries (XLA's
 `memory_analysis`, outputs that reuse a donated argument counted once) and its code, plus
-`resident`, the train state it does not take as an argument but that stays in HBM meanwhile.
+`resident`, the train state it does not take as an argument but that stays in memory
+meanwhile.
 
 FLOPs per step are counted by formula (`step_flops`), not read from the compiler, whose cost
-analysis counts a loop body once; the last line gives them with the time they take on all
-chips at the chip's bf16 peak.
+analysis counts a loop body once; the last line gives them, with the time they take on all
+chips at the chip's bf16 peak where the target's peak is known (TPU slices).
 
 Exit status 0 when every program fits, 1 with one line naming the first that does not.
 """
@@ -55,6 +62,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from agentgym_jax import cli
 from agentgym_jax import policies
 from agentgym_jax import sharding as sharding_lib
+from agentgym_jax import targets
 from agentgym_jax.models import Decoder, KVCache, ModelConfig, resolve_attention
 from agentgym_jax.models import published
 from agentgym_jax.models.decoder import resolve_layer_loop
@@ -65,14 +73,15 @@ from agentgym_jax.rollout.trajectory import bucket_length
 from agentgym_jax.train import batches
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import update as update_lib
-from agentgym_jax.tpus import GiB, Slice
+from agentgym_jax.targets import GiB, Target
 
 # ----- the run's shapes ---------------------------------------------------------------------
 
 
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+def model_config(config: ml_collections.ConfigDict, platform: str) -> ModelConfig:
   """The policy's ModelConfig from the experiment alone (no weights, no tokenizer files), its
-  "auto" settings resolved for TPU (the Pallas attention kernel, the blocks as a scan).
+  "auto" settings resolved for `platform` ("tpu": the Pallas attention kernel, the blocks as
+  a scan), the target's rather than this process's.
 
   Raises:
     ValueError: an HF path that is neither on disk nor a published model; a random arch
@@ -80,8 +89,9 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
   """
   source = config.model.source
   settings = dict(policies.run_settings(config),
-                  attention=resolve_attention(config.model.attention, "tpu"),
-                  layer_loop=resolve_layer_loop(config.model.layer_loop, "tpu"))
+                  attention=resolve_attention(config.model.attention, platform),
+                  layer_loop=resolve_layer_loop(config.model.layer_loop, platform,
+                                                remat=config.model.remat))
   if source == "hf":
     path = config.model.path
     hf = path if os.path.isdir(path) else published.hf_config(path)
@@ -101,7 +111,7 @@ def _abstract(tree: Any, shardings: Any) -> Any:
 
 
 def per_chip_bytes(tree: Any) -> int:
-  """Bytes one chip holds of the abstract arrays of `tree` (each a sharded ShapeDtypeStruct)."""
+  """Bytes one device holds of the abstract arrays of `tree` (sharded ShapeDtypeStructs)."""
   return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
              for x in jax.tree.leaves(tree))
 
@@ -113,6 +123,7 @@ class Run:
   config: ml_collections.ConfigDict
   cfg: ModelConfig
   mesh: Mesh
+  platform: str  # of the mesh's devices: "tpu", "cpu", "gpu"
   spec: AlgorithmSpec
   update_cfg: update_lib.UpdateConfig
   policy_def: nnx.GraphDef
@@ -124,7 +135,8 @@ class Run:
   @classmethod
   def build(cls, config: ml_collections.ConfigDict, devices: list[Any]) -> "Run":
     """The mesh, algorithm and abstract train state of `config` on `devices`."""
-    cfg = model_config(config)
+    platform = devices[0].platform
+    cfg = model_config(config, platform)
     mesh = sharding_lib.make_mesh(config.mesh, devices)
     batches.check_layout(config, mesh)  # the trainer's own start-up check
     update_cfg = update_lib.UpdateConfig.from_config(config)
@@ -138,8 +150,8 @@ class Run:
     state = jax.eval_shape(lambda p, c: state_lib.init_train_state(
         policy=p, critic=c, keep_reference=spec.keep_reference, optimizers=optimizers,
         seed=0, shardings=split.shardings), split.policy, split.critic)
-    return cls(config, cfg, mesh, spec, update_cfg, split.policy_def, split.critic_def,
-               optimizers, split.shardings, _abstract(state, split.shardings))
+    return cls(config, cfg, mesh, platform, spec, update_cfg, split.policy_def,
+               split.critic_def, optimizers, split.shardings, _abstract(state, split.shardings))
 
   @property
   def rows(self) -> int:
@@ -189,7 +201,7 @@ def step_flops(run: Run) -> dict[str, float]:
   cfg, tokens = run.cfg, run.rows * run.length
   fwd = forward_flops(cfg, tokens, run.length / 2)
   critic_fwd = forward_flops(cfg, tokens, run.length / 2, lm_head=False)
-  scorers = 1 + int(run.spec.keep_reference)
+  scorers = int(not run.spec.old_logprobs_from_update) + int(run.spec.keep_reference)
   passes = 4 if cfg.remat else 3
   models = fwd + (critic_fwd if run.spec.use_critic else 0.0)
   return {
@@ -205,7 +217,7 @@ def step_flops(run: Run) -> dict[str, float]:
 
 @dataclasses.dataclass
 class Program:
-  """One compiled program's per-chip bytes, or why it did not compile."""
+  """One compiled program's per-device bytes, or why it did not compile."""
 
   name: str
   arguments: int = 0
@@ -230,7 +242,7 @@ _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def _compile(name: str, lower: Callable[[], Any], resident: int = 0) -> Program:
-  """Compiles `lower()` (a jax Lowered) and reads its per-chip memory.
+  """Compiles `lower()` (a jax Lowered) and reads its per-device memory.
 
   A program too big for the chip comes back with `needed` (libtpu's count) instead of
   raising; any other compile error is raised.
@@ -277,7 +289,7 @@ def rollout_programs(run: Run, host_devices: list[Any], hosts: int,
   own = hosts == 1 and compute == jnp.float32
   resident = per_chip_bytes(run.state) - (per_chip_bytes(run.state.policy) if own else 0)
   batch = NamedSharding(local, P(sharding_lib.BATCH_AXES))
-  cache = jax.eval_shape(lambda: KVCache.init(cfg, rows, slots, platform="tpu"))
+  cache = jax.eval_shape(lambda: KVCache.init(cfg, rows, slots, platform=run.platform))
   cache = _abstract(cache, cache.shardings(local))
   logits = jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32, sharding=batch)
   ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch)
@@ -314,13 +326,13 @@ def host_mesh(mesh: Mesh, host_devices: list[Any]) -> Mesh:
 PROGRAMS = ("rollout_extend", "rollout_decode", "score_logprobs", "score_values", "update")
 
 
-def plan(config: ml_collections.ConfigDict, slice_: Slice,
+def plan(config: ml_collections.ConfigDict, target: Target,
          report: Callable[[Program], None] = lambda p: None,
          only: tuple[str, ...] = PROGRAMS) -> tuple[list[Program], dict[str, float]]:
-  """Compiles the programs of one step of `config` on `slice_` (those named in `only`):
+  """Compiles the programs of one step of `config` on `target` (those named in `only`):
   (the programs, the step's FLOPs per stage). `report` sees each program as it finishes (a 7B
   update takes minutes)."""
-  run = Run.build(config, slice_.devices())
+  run = Run.build(config, target.devices())
   state_bytes = per_chip_bytes(run.state)
   programs = []
 
@@ -329,7 +341,7 @@ def plan(config: ml_collections.ConfigDict, slice_: Slice,
       programs.append(_compile(name, lower, resident))
       report(programs[-1])
 
-  rollout_programs(run, slice_.devices(one_host=True), slice_.hosts, compile_program)
+  rollout_programs(run, target.devices(one_host=True), target.hosts, compile_program)
   batch = run.batch()
   chunks = config.algo.minibatches * config.algo.microbatches
   score_logprobs, score_values = update_lib.make_scorers(
@@ -352,63 +364,67 @@ def plan(config: ml_collections.ConfigDict, slice_: Slice,
 # ----- the report ---------------------------------------------------------------------------
 
 
-def header(config_name: str, slice_: Slice) -> str:
-  chip = slice_.chip
-  return (f"{config_name} on {slice_.name}: {slice_.chips} chips "
-          f"({'x'.join(map(str, slice_.grid))}, {slice_.hosts} host"
-          f"{'s' * (slice_.hosts > 1)}), {chip.usable_gib:g} GiB usable HBM and "
-          f"{chip.bf16_tflops:g} bf16 TFLOP/s per chip")
+def header(config_name: str, target: Target) -> str:
+  return f"{config_name} on {target.describe()}"
 
 
-COLUMNS = ("program", "arguments", "outputs", "temporaries", "code", "resident", "total",
-           "of HBM", "fits")
+def columns(target: Target) -> tuple[str, ...]:
+  return ("program", "arguments", "outputs", "temporaries", "code", "resident", "total",
+          f"of {target.memory}", "fits")
 
 
-def fits(program: Program, slice_: Slice) -> bool:
-  return program.needed is None and program.total <= slice_.chip.usable_gib * GiB
+def fits(program: Program, target: Target) -> bool:
+  return program.needed is None and program.total <= target.usable_bytes
 
 
-def row(program: Program, slice_: Slice) -> list[str]:
-  """The program's table row, GiB per chip ("-" where a program too big has no breakdown)."""
+def row(program: Program, target: Target) -> list[str]:
+  """The program's table row, GiB per device ("-" where a program too big has no breakdown)."""
   gib = lambda n: f"{n / GiB:.2f}"
   parts = [program.arguments, program.outputs, program.temporaries, program.code]
   return [program.name, *(["-"] * 4 if program.needed is not None else map(gib, parts)),
           gib(program.resident), gib(program.total),
-          f"{program.total / (slice_.chip.usable_gib * GiB):.0%}",
-          "yes" if fits(program, slice_) else "NO"]
+          f"{program.total / target.usable_bytes:.0%}",
+          "yes" if fits(program, target) else "NO"]
 
 
-def format_table(rows: list[list[str]], columns: tuple[str, ...] = COLUMNS) -> str:
-  table = [list(columns)] + rows
-  widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
+def format_table(rows: list[list[str]], names: tuple[str, ...]) -> str:
+  table = [list(names)] + rows
+  widths = [max(len(r[i]) for r in table) for i in range(len(names))]
   return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
                              for i, (c, w) in enumerate(zip(r, widths))) for r in table)
 
 
-def flops_line(flops: dict[str, float], slice_: Slice) -> str:
-  """Model FLOPs of one step per stage, and the time they take on every chip at peak."""
-  peak = slice_.chips * slice_.chip.bf16_tflops * 1e12
+def flops_line(flops: dict[str, float], target: Target) -> str:
+  """Model FLOPs of one step per stage, and the time they take on every device at peak where
+  the target's peak is known."""
   total = sum(flops.values())
-  stages = ", ".join(f"{name} {value / 1e15:.2f}" for name, value in flops.items() if value)
-  return (f"Model FLOPs per step: {total / 1e15:.2f} PFLOP ({stages}); "
-          f"{total / peak:.1f} s on {slice_.chips} chips at peak")
+  # PFLOP for a slice's step, TFLOP or GFLOP for the small models a CPU trains.
+  scale, unit = next(((s, u) for s, u in ((1e15, "PFLOP"), (1e12, "TFLOP")) if total >= s),
+                     (1e9, "GFLOP"))
+  stages = ", ".join(f"{name} {value / scale:.2f}" for name, value in flops.items() if value)
+  line = f"Model FLOPs per step: {total / scale:.2f} {unit} ({stages})"
+  if target.peak_flops is None:
+    return line
+  return (f"{line}; {total / target.peak_flops:.1f} s on {len(target.devices())} "
+          f"{target.unit}s at peak")
 
 
-def to_json(config_name: str, slice_: Slice, programs: list[Program],
+def to_json(config_name: str, target: Target, programs: list[Program],
             flops: dict[str, float]) -> dict[str, Any]:
-  """The plan as data (docs/make_tpu_table.py reads it): bytes per chip of each program."""
-  return {"config": config_name, "slice": slice_.name, "usable_bytes":
-          int(slice_.chip.usable_gib * GiB), "peak_flops": slice_.chips *
-          slice_.chip.bf16_tflops * 1e12, "flops": flops,
-          "programs": [dict(dataclasses.asdict(p), total=p.total, fits=fits(p, slice_))
+  """The plan as data (docs/make_tpu_table.py reads it): bytes per device of each program."""
+  return {"config": config_name, "target": target.name, "platform": target.platform,
+          "usable_bytes": target.usable_bytes, "peak_flops": target.peak_flops,
+          "flops": flops,
+          "programs": [dict(dataclasses.asdict(p), total=p.total, fits=fits(p, target))
                        for p in programs]}
 
 
-def misfit_line(program: Program, slice_: Slice) -> str:
+def misfit_line(program: Program, target: Target) -> str:
   """The one line of a program that does not fit."""
-  return (f"{program.name} needs {program.total / GiB:.2f} GiB per chip on {slice_.name}, "
-          f"which has {slice_.chip.usable_gib:g} GiB usable: use a larger slice, more "
-          "algo.microbatches or a shorter rollout.max_context")
+  return (f"{program.name} needs {program.total / GiB:.2f} GiB per {target.unit} on "
+          f"{target.name}, which has {target.usable_bytes / GiB:.4g} GiB usable "
+          f"{target.memory}: use {target.larger}, more algo.microbatches or a shorter "
+          "rollout.max_context")
 
 
 def main(argv: list[str]) -> None:
@@ -416,15 +432,17 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = cli.config_from_flag()
   try:
-    slice_ = Slice.parse(flags.FLAGS.topology)
-    slice_.devices(one_host=True)
-  except (ValueError, ImportError, RuntimeError) as exc:
+    target = targets.parse(flags.FLAGS.topology, flags.FLAGS.memory_gib)
+    target.devices(one_host=True)
+  except ValueError as exc:
+    cli.fatal(str(exc))
+  except (ImportError, RuntimeError) as exc:  # libtpu's, for a slice's devices
     cli.fatal(f"--topology: {exc} (libtpu comes with pip install -e '.[tpu]')")
-  print(header(flags.FLAGS["config"].config_filename, slice_), flush=True)
+  print(header(flags.FLAGS["config"].config_filename, target), flush=True)
   done = []
 
   def report(program: Program) -> None:
-    done.append(row(program, slice_))
+    done.append(row(program, target))
     print(f"  compiled {program.name} in {program.seconds:.0f} s", flush=True)
 
   only = tuple(flags.FLAGS.only) or PROGRAMS
@@ -432,24 +450,28 @@ def main(argv: list[str]) -> None:
   if unknown:
     cli.fatal(f"--only: no programs {unknown}; the programs are {list(PROGRAMS)}")
   try:
-    programs, flops = plan(config, slice_, report, only)
+    programs, flops = plan(config, target, report, only)
   except ValueError as exc:
     cli.fatal(str(exc))
-  print(format_table(done))
-  print(flops_line(flops, slice_))
-  misfits = [p for p in programs if not fits(p, slice_)]
+  print(format_table(done, columns(target)))
+  print(flops_line(flops, target))
+  misfits = [p for p in programs if not fits(p, target)]
   if flags.FLAGS.json:
     with open(flags.FLAGS.json, "w") as f:
-      json.dump(to_json(flags.FLAGS["config"].config_filename, slice_, programs, flops), f,
+      json.dump(to_json(flags.FLAGS["config"].config_filename, target, programs, flops), f,
                 indent=1)
   if misfits:
-    cli.fatal(misfit_line(misfits[0], slice_))
+    cli.fatal(misfit_line(misfits[0], target))
 
 
 if __name__ == "__main__":
   # Defined here, not at import: the trainer's command defines its own --config.
   cli.define_config_flag("Experiment config file (and :arguments).")
-  flags.DEFINE_string("topology", None, "The TPU slice: v5e-16, v4-32, v5p-128, v6e-8, ...")
+  flags.DEFINE_string("topology", None, "A TPU slice (v5e-16, v4-32, v5p-128, v6e-8, ...), or "
+                      "cpu or gpu: this process's own devices.")
+  flags.DEFINE_float("memory_gib", None, "Plan against this much memory instead of the "
+                     "target's: the host's RAM for cpu (shared by its devices), one device's "
+                     "for gpu or a TPU chip; e.g. what other jobs leave free.")
   flags.DEFINE_string("json", None, "Also write the plan to this JSON file.")
   flags.DEFINE_list("only", [], f"Compile only these programs (default all: {PROGRAMS}).")
   flags.mark_flags_as_required(["config", "topology"])

@@ -2,7 +2,7 @@
 chip's peak and HBM, and the slice's devices from libtpu (compiling for them needs no TPU).
 
 Experiment configs size their micro-batches and mesh by a slice's chip count; the plan
-(`agentgym_jax.plan`) compiles for its devices.
+(`agentgym_jax.plan`) compiles for its devices (a slice is one kind of `targets.Target`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ CHIPS = {
 # Chips per host: a 2x2 board, except the 8-chip single-host v5e and v6e machines (2x4).
 HOST_BOUNDS = (2, 2, 1)
 SINGLE_HOST_8 = (2, 4, 1)
+# A slice name: generation, then TensorCores (v4, v5p) or chips (v5e, v6e).
+SLICE_NAME = re.compile(r"(v\d+[a-z]?)-(\d+)")
 
 
 def _grid(chips: int, dims: int) -> tuple[int, ...]:
@@ -77,11 +79,16 @@ class Slice:
   name: str
   chip: Chip
   grid: tuple[int, ...]
+  # As a `targets.Target`:
+  platform = "tpu"
+  unit = "chip"
+  memory = "HBM"
+  larger = "a larger slice"
 
   @classmethod
   def parse(cls, name: str) -> "Slice":
     """Raises ValueError naming the known generations on a name it cannot read."""
-    match = re.fullmatch(r"(v\d+[a-z]?)-(\d+)", name.strip())
+    match = SLICE_NAME.fullmatch(name.strip())
     if not match or match.group(1) not in CHIPS:
       raise ValueError(f"--topology={name!r} is not a slice name like v5e-16, v4-32, v5p-128 or "
                        f"v6e-8 (generations: {sorted(CHIPS)}).")
@@ -107,6 +114,20 @@ class Slice:
   @property
   def hosts(self) -> int:
     return self.chips // math.prod(self.host_grid)
+
+  @property
+  def usable_bytes(self) -> int:
+    return int(self.chip.usable_gib * GiB)
+
+  @property
+  def peak_flops(self) -> float:
+    """Dense bf16 matmul FLOP/s of all its chips."""
+    return self.chips * self.chip.bf16_tflops * 1e12
+
+  def describe(self) -> str:
+    return (f"{self.name}: {self.chips} chips ({'x'.join(map(str, self.grid))}, {self.hosts} "
+            f"host{'s' * (self.hosts > 1)}), {self.chip.usable_gib:g} GiB usable HBM and "
+            f"{self.chip.bf16_tflops:g} bf16 TFLOP/s per chip")
 
   def devices(self, one_host: bool = False) -> list[Any]:
     """The slice's devices (or those of a one-host slice of its generation), from libtpu."""

@@ -1,5 +1,6 @@
-"""The TPU plan: slice names, one host's mesh, a whole step compiled for a TPU slice (libtpu,
-ahead of time, on this CPU host), and the one line of a program that does not fit."""
+"""The plan: slice names, one host's mesh, a whole step compiled for a TPU slice (libtpu,
+ahead of time, on this CPU host) and for this machine's CPU, and the one line of a program
+that does not fit."""
 
 import importlib.util
 import os
@@ -7,30 +8,38 @@ import subprocess
 import sys
 import time
 
+import json
+
 import pytest
 import tpu_slices
 
-from agentgym_jax import plan, sharding
+from agentgym_jax import plan, sharding, targets, tpus
+from agentgym_jax.models import resolve_attention
+from agentgym_jax.models.decoder import resolve_layer_loop
 
 
+@pytest.fixture
+def libtpu():
+  tpu_slices.require_libtpu()  # the plan compiles for TPU slices with libtpu
 
-@pytest.fixture(autouse=True)
-def _libtpu():
-  tpu_slices.require_libtpu()  # the plan compiles with libtpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A tiny random model on the paper's SearchQA layout, shrunk: 16 rows, one per v5e-16 chip.
 TINY = ["experiments/agentgym_rl/searchqa.py:runlocal,algo=ppo",
         "--config.model.arch.vocab_size=512", "--config.data.batch_tasks=8",
         "--config.data.group_size=2"]
+# Keypad's 2-layer random model with a critic (algo=ppo: every program of a step), for the CPU.
+KEYPAD = ["--config=experiments/keypad/learn.py:runlocal,algo=ppo",
+          "--config.model.arch.vocab_size=300"]
 
 
+@pytest.mark.usefixtures("libtpu")
 @pytest.mark.parametrize("name, chips, grid, hosts", [
     ("v5e-16", 16, (4, 4), 4), ("v4-32", 16, (2, 2, 4), 4), ("v5e-64", 64, (8, 8), 16),
     ("v5p-128", 64, (4, 4, 4), 16), ("v6e-8", 8, (2, 4), 1), ("v5e-4", 4, (2, 2), 1),
     ("v4-8", 4, (2, 2, 1), 1)])
 def test_slice_names_as_users_write_them(name, chips, grid, hosts):
-  slice_ = plan.Slice.parse(name)
+  slice_ = tpus.Slice.parse(name)
   assert (slice_.chips, slice_.grid, slice_.hosts) == (chips, grid, hosts)
   assert len(slice_.devices()) == chips
   assert len(slice_.devices(one_host=True)) == chips // hosts
@@ -39,12 +48,28 @@ def test_slice_names_as_users_write_them(name, chips, grid, hosts):
 @pytest.mark.parametrize("name", ["v5e16", "v7x-8", "v4-6", "v5e-12", "tpu"])
 def test_a_slice_name_it_cannot_read_is_one_line(name):
   with pytest.raises(ValueError, match="v5e-16") as info:
-    plan.Slice.parse(name)
+    tpus.Slice.parse(name)
   assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["CPU", "tpu", "v5e16", "host"])
+def test_a_topology_neither_local_nor_a_slice_is_one_line_naming_both(name):
+  with pytest.raises(ValueError, match="neither cpu, gpu .* nor a TPU slice") as info:
+    targets.parse(name)
+  assert "\n" not in str(info.value)
+
+
+def test_cpu_devices_share_the_hosts_ram():
+  # conftest.py gives this process 8 CPU devices: one program on each, all in one RAM.
+  target = targets.parse("cpu", memory_gib=8)
+  assert (target.platform, target.hosts, target.usable_bytes) == ("cpu", 1, 1 << 30)
+  assert target.describe() == "cpu: 8 devices, 8 GiB RAM (--memory_gib, 1 GiB a device)"
+  assert targets.parse("cpu").memory_bytes > 0  # the host's MemTotal
+
+
+@pytest.mark.usefixtures("libtpu")
 def test_one_hosts_mesh_keeps_tensor_and_cuts_the_data_parallel_axes():
-  slice_ = plan.Slice.parse("v5e-16")
+  slice_ = tpus.Slice.parse("v5e-16")
   whole = sharding.make_mesh((("data", 1), ("fsdp", -1), ("tensor", 1)), slice_.devices())
   host = plan.host_mesh(whole, slice_.devices(one_host=True))
   assert dict(host.shape) == {"data": 1, "fsdp": 4, "tensor": 1}
@@ -53,12 +78,15 @@ def test_one_hosts_mesh_keeps_tensor_and_cuts_the_data_parallel_axes():
   assert dict(host.shape) == {"data": 1, "fsdp": 2, "tensor": 2}
 
 
-def _plan(*args, timeout=600):
+def _plan(*args, timeout=600, cpu_devices=None):
   env = dict(os.environ, JAX_PLATFORMS="cpu", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  if cpu_devices == 1:  # the machine as a user runs it, not conftest.py's 8 devices
+    env.pop("XLA_FLAGS", None)
   return subprocess.run([sys.executable, "-m", "agentgym_jax.plan", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.usefixtures("libtpu")
 def test_a_tiny_models_whole_step_compiles_for_v5e_16_within_two_minutes():
   start = time.perf_counter()
   result = _plan("--topology=v5e-16", "--config=" + TINY[0], *TINY[1:])
@@ -75,6 +103,7 @@ def test_a_tiny_models_whole_step_compiles_for_v5e_16_within_two_minutes():
   assert seconds < 120, seconds
 
 
+@pytest.mark.usefixtures("libtpu")
 def test_a_step_too_big_for_the_slice_exits_1_naming_the_program_and_bytes():
   # A 4-GiB embedding table replicated on every chip (pure data parallelism) over a v5e's
   # 15.75 GiB: the train state alone (params, reference, two Adam moments) cannot fit.
@@ -86,26 +115,73 @@ def test_a_step_too_big_for_the_slice_exits_1_naming_the_program_and_bytes():
   assert result.returncode == 1, result.stdout + result.stderr[-2000:]
   [fatal] = [l for l in result.stderr.splitlines() if l.startswith("FATAL")]
   assert fatal.startswith("FATAL: score_logprobs needs "), fatal
-  assert "GiB per chip on v5e-16" in fatal and "15.75 GiB usable" in fatal, fatal
+  assert "GiB per chip on v5e-16" in fatal and "15.75 GiB usable HBM" in fatal, fatal
+
+
+def test_a_whole_step_compiles_for_this_cpu_against_its_ram(tmp_path):
+  result = _plan("--topology=cpu", *KEYPAD, f"--json={tmp_path}/plan.json", cpu_devices=1)
+  assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+  first = result.stdout.splitlines()[0]
+  assert first.startswith(f"{KEYPAD[0].split('=', 1)[1]} on cpu: 1 device, "), first
+  assert " GiB RAM (" in first, first
+  with open(tmp_path / "plan.json") as f:
+    saved = json.load(f)
+  assert saved["platform"] == "cpu" and saved["peak_flops"] is None
+  programs = {p["name"]: p for p in saved["programs"]}
+  assert list(programs) == list(plan.PROGRAMS)
+  for p in programs.values():
+    assert p["fits"] and p["needed"] is None and p["temporaries"] > 0, p
+  # No peak for a CPU: FLOPs without a time.
+  [flops] = [l for l in result.stdout.splitlines() if l.startswith("Model FLOPs per step")]
+  assert " at peak" not in flops, flops
+
+
+def test_a_step_too_big_for_the_ram_exits_1_naming_the_program_and_bytes():
+  # --memory_gib stands for a host with 1 MiB of RAM: the update's temporaries alone exceed it.
+  result = _plan("--topology=cpu", *KEYPAD, "--memory_gib=0.001", "--only=update",
+                 cpu_devices=1)
+  assert result.returncode == 1, result.stdout + result.stderr[-2000:]
+  [fatal] = [l for l in result.stderr.splitlines() if l.startswith("FATAL")]
+  assert fatal.startswith("FATAL: update needs "), fatal
+  assert "GiB per device on cpu, which has 0.001 GiB usable RAM" in fatal, fatal
+  assert "rollout.max_context" in fatal, fatal
+
+
+def _experiment(path):
+  """The experiment file at `path` (under the repository) as a module."""
+  sys.path.insert(0, ROOT)  # experiment files import `experiments.agentgym_rl.common`
+  spec = importlib.util.spec_from_file_location(
+      path.replace("/", "_")[:-3] + "_for_plan", os.path.join(ROOT, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def test_the_papers_models_are_known_without_their_checkpoints():
-  sys.path.insert(0, ROOT)  # experiment files import `experiments.agentgym_rl.common`
-  spec = importlib.util.spec_from_file_location(
-      "searchqa_for_plan", os.path.join(ROOT, "experiments/agentgym_rl/searchqa.py"))
-  searchqa = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(searchqa)
+  searchqa = _experiment("experiments/agentgym_rl/searchqa.py")
   for model, layers in (("7b", 28), ("3b", 36)):
-    cfg = plan.model_config(searchqa.get_config(f"model={model}"))
+    cfg = plan.model_config(searchqa.get_config(f"model={model}"), "tpu")
     assert cfg.num_layers == layers
   config = searchqa.get_config("model=7b")
   with config.unlocked():
     config.model.path = "/nowhere/Qwen9-1T"
   with pytest.raises(ValueError, match="Qwen2.5-7B-Instruct"):
-    plan.model_config(config)
+    plan.model_config(config, "tpu")
+
+
+def test_auto_attention_and_layer_loop_resolve_for_the_targets_platform():
+  config = _experiment("experiments/keypad/learn.py").get_config("runlocal")
+  with config.unlocked():
+    config.model.arch.vocab_size = 300
+    config.model.attention = config.model.layer_loop = "auto"
+  for platform in ("tpu", "cpu", "gpu"):
+    cfg = plan.model_config(config, platform)
+    assert cfg.attention == resolve_attention("auto", platform), platform
+    assert cfg.layer_loop == resolve_layer_loop("auto", platform, config.model.remat), platform
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("libtpu")
 def test_the_7b_searchqa_scaling_inter_config_fits_a_v4_32():
   # 12,288-token rows of Qwen2.5-7B, one per chip per micro-batch: 2-6 minutes, up to 12 GB.
   result = _plan("--topology=v4-32",
