@@ -1,5 +1,6 @@
 """Pieces the command lines share: defining and reading the --config flag, checking its
-environment, one-line fatal errors, INFO logging to a file instead of the terminal.
+environment, the compilation cache, one-line fatal errors, INFO logging to a file instead of
+the terminal.
 
 A mistake on the command line (a wrong path, a name that does not exist) ends the program
 with one line that says what was wrong and what to do, and with nothing written: a
@@ -19,6 +20,7 @@ from absl import flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from agentgym_jax import caches
 from agentgym_jax.rl import algorithm
 from agentgym_jax.rollout import envs
 
@@ -122,6 +124,17 @@ def check_algorithm(config: ml_collections.ConfigDict) -> None:
     algorithm.AlgorithmSpec.from_config(config)
   except ValueError as e:
     fatal(str(e))
+
+
+def use_compilation_cache(config: ml_collections.ConfigDict) -> None:
+  """Turns on JAX's persistent compilation cache in `config.compile.cache_dir` ("" = off),
+  before anything compiles; exits with one line if the directory cannot be created."""
+  directory = config.compile.cache_dir
+  try:
+    caches.use_compilation_cache(directory)
+  except OSError as e:
+    fatal(f"config.compile.cache_dir: cannot create {directory!r} ({e.strerror}); pass a "
+          "writable directory, or --config.compile.cache_dir= to compile without the cache")
 
 
 def log_to(path: str | None) -> None:

@@ -82,6 +82,7 @@ def main(argv: Sequence[str]) -> None:
   config = cli.config_from_flag()
   cli.check_env(config)
   check_policy_flags(_FLAGS["checkpoint"].value, _FLAGS["hf_model"].value)
+  cli.use_compilation_cache(config)
   multihost.maybe_initialize_distributed()
   output = _FLAGS["output"].value
   writer = jax.process_index() == 0

@@ -30,6 +30,8 @@ from typing import Any
 
 import ml_collections
 
+from agentgym_jax import caches
+
 # The `random` model source takes these ModelConfig fields; vocab_size 0 means "the tokenizer's".
 TINY_ARCH = dict(
     vocab_size=0,
@@ -303,6 +305,15 @@ def base_config() -> ml_collections.ConfigDict:
   # Global gradient-norm clip (0 = off).
   c.optim.grad_clip = 1.0
 
+  # ----- compilation -------------------------------------------------------------------------
+  c.compile = ml_collections.ConfigDict()
+  # JAX's persistent compilation cache (agentgym_jax/caches.py): XLA executables are saved here
+  # and loaded by later runs and evaluations that compile the same programs, so only the first
+  # run of a config waits for XLA. "" turns it off; a gs:// URL shares it between hosts.
+  # Default: $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/agentgym_jax/jax_compile (under
+  # $XDG_CACHE_HOME if set). Read by the command lines at start, not by `loop.train`.
+  c.compile.cache_dir = caches.default_compilation_cache_dir()
+
   # ----- mesh --------------------------------------------------------------------------------
   # (axis, size) pairs; one size may be -1 ("the remaining devices"). Rows of the batch are
   # split over data x fsdp, parameters over fsdp x tensor (agentgym_jax.sharding's rules).
@@ -381,13 +392,14 @@ def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
       not ModelConfig fields.
   """
   from agentgym_jax.models import ModelConfig  # pylint: disable=import-outside-toplevel
-  from agentgym_jax.models.config import ATTENTION_IMPLS, LAYER_LOOPS  # pylint: disable=import-outside-toplevel
+  from agentgym_jax.models.attention import attention_names  # pylint: disable=import-outside-toplevel
+  from agentgym_jax.models.config import LAYER_LOOPS  # pylint: disable=import-outside-toplevel
   unknown = _unknown_fields(config, base_config())
   arch_fields = {f.name for f in dataclasses.fields(ModelConfig)}
   unknown += [f"model.arch.{k}" for k in config.model.arch if k not in arch_fields]
-  if config.model.attention not in ATTENTION_IMPLS:
+  if config.model.attention not in attention_names():
     raise ValueError(f"model.attention {config.model.attention!r} is not one of "
-                     f"{ATTENTION_IMPLS}.")
+                     f"{attention_names()}.")
   if config.model.layer_loop not in LAYER_LOOPS:
     raise ValueError(f"model.layer_loop {config.model.layer_loop!r} is not one of "
                      f"{LAYER_LOOPS}.")

@@ -38,6 +38,7 @@ import ml_collections
 import numpy as np
 import tqdm
 
+from agentgym_jax import caches
 from agentgym_jax import evaluate
 from agentgym_jax import multihost
 from agentgym_jax import policies
@@ -73,6 +74,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   #                                   Workdir and run info                                     #
   ##############################################################################################
   config = multihost.process_config(config)
+  # Executables built from here on: each step's metrics count those since the step before, so
+  # the first step's include the start-up's (the model's init, the starting evaluation).
+  compiles = caches.CompileCounter()
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
     metrics_lib.write_run_info(workdir, config)
@@ -212,8 +216,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                                             config.total_steps) and not stopped else {}
       clock.append(time.perf_counter())
 
-      last = step_metrics(got, update_metrics, eval_metrics, clock, config=config, step=step,
-                          max_turns=max_turns)
+      last = step_metrics(got, update_metrics, eval_metrics, clock, compiles.take(),
+                          config=config, step=step, max_turns=max_turns)
       if writer and _due(done, config.log.every_steps, config.total_steps):
         writer.write(done, last)
       progress.update(1)
@@ -278,14 +282,16 @@ def _resume(ckpt: checkpoints.Checkpointer, state: state_lib.TrainState,
 
 
 def step_metrics(got: batches.StepBatch, update_metrics: dict[str, Any],
-                 eval_metrics: dict[str, float], clock: list[float], *,
-                 config: ml_collections.ConfigDict, step: int, max_turns: int
-                 ) -> dict[str, float]:
+                 eval_metrics: dict[str, float], clock: list[float],
+                 compile_metrics: dict[str, float], *, config: ml_collections.ConfigDict,
+                 step: int, max_turns: int) -> dict[str, float]:
   """Everything a step logs: its batch's statistics, the update's, the schedule, throughput,
-  the time of each phase and the evaluation's results.
+  the time of each phase, the executables it built and the evaluation's results.
 
   `clock` holds the times at the step's start and after its batch, update, checkpoint and
   evaluation; the batch's own phases (rollout, scoring, advantages) are in `got.metrics`.
+  `compile_metrics` is `caches.CompileCounter.take()`'s: compile/count, compile/cache_hits and
+  compile/seconds, each 0 in a step that met no new shape.
   """
   start, batched, updated, saved, evaluated = clock
   out = dict(got.metrics)
@@ -301,6 +307,7 @@ def step_metrics(got: batches.StepBatch, update_metrics: dict[str, Any],
       "time/eval": evaluated - saved,
       "time/step": evaluated - start,
   })
+  out.update(compile_metrics)
   out.update(eval_metrics)
   return out
 

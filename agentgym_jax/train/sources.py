@@ -5,14 +5,13 @@ of behaviour cloning, cached on disk (the environment's expert plays them throug
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 from jax.sharding import Mesh
 
+from agentgym_jax import caches
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.models import Decoder, ValueModel
 from agentgym_jax.rollout import demonstrations as demos_lib
@@ -41,9 +40,7 @@ def demonstrations(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> lis
       "system_prompt": config.env.system_prompt,
       "tokenizer": demos_lib.tokenizer_fingerprint(tok),
   }
-  cache_dir = config.bc.cache_dir or os.path.join(
-      os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "agentgym_jax",
-      "demonstrations")
+  cache_dir = config.bc.cache_dir or caches.user_cache_dir("demonstrations")
   path = demos_lib.cache_path(cache_dir, config.env.name, settings)
 
   return demos_lib.load_or_build(path, settings,
