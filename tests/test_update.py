@@ -1,5 +1,7 @@
-"""The jitted update: exact micro-batching, token alignment, skip on non-finite, sharding."""
+"""The jitted update: exact micro-batching, token alignment, skip on non-finite, sharding, and
+old log-probs from its own forward (the same step as scoring them apart, one forward fewer)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -8,13 +10,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from agentgym_jax import multihost, policies
 from agentgym_jax import sharding
 from agentgym_jax.models import Decoder, ModelConfig, ValueModel
+from agentgym_jax.rl import algorithm
 from agentgym_jax.rl import logprobs as logprobs_lib
 from agentgym_jax.rl import losses
+from agentgym_jax.rollout import RolloutSettings
+from agentgym_jax.rollout.trajectory import bucket_length
+from agentgym_jax.tokenization import ChatTokenizer
+from agentgym_jax.train import batches, data
 from agentgym_jax.train import config as base
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import update as update_lib
+from environments.workers import StepOutcome
 
 CFG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2)
@@ -211,16 +220,18 @@ def test_token_mean_loss_is_the_mean_over_agent_tokens():
 
 
 class _Run:
-  """A compiled update (gae + KL term, 2 minibatches x 2 micro-batches) and its initial state.
+  """A compiled update (by default gae + KL term, 2 minibatches x 2 micro-batches) and its
+  initial state.
 
   Built once per mesh; `fresh()` hands out a new copy of the initial state (the update
   donates the state it is given).
   """
 
-  def __init__(self, mesh):
-    config = _config(estimator="gae", kl_coef=0.01, entropy_coef=0.001)
-    config.algo.minibatches = 2
-    config.algo.microbatches = 2
+  def __init__(self, mesh, config=None):
+    if config is None:
+      config = _config(estimator="gae", kl_coef=0.01, entropy_coef=0.001)
+      config.algo.minibatches = 2
+      config.algo.microbatches = 2
     self.mesh = mesh
     ucfg = update_lib.UpdateConfig.from_config(config)
     policy = sharding.sharded_init(lambda: Decoder(CFG, rngs=nnx.Rngs(0)), mesh)
@@ -236,6 +247,7 @@ class _Run:
                                        keep_reference=True, optimizers=opts, seed=0,
                                        shardings=self.shardings)
     self.initial = _copy(state)
+    self.policy_def, self.critic_def, self.opts = policy_def, critic_def, opts
     self.step = update_lib.make_update_step(policy_def, critic_def, opts, ucfg, mesh,
                                             self.shardings)
     self.logprobs, self.values = update_lib.make_scorers(policy_def, critic_def,
@@ -391,3 +403,219 @@ def test_bfloat16_compute_is_mixed_precision_with_float32_gradients():
   for a, b in zip(jax.tree.leaves(mixed_grads), jax.tree.leaves(full_grads)):
     assert a.dtype == jnp.float32  # the master weights' gradients
     np.testing.assert_allclose(a, b, atol=0.05 * float(np.abs(b).max()) + 1e-6)
+
+
+# ----- old log-probs from the update's own forward ---------------------------------------------
+
+
+@pytest.mark.parametrize("mode,algo,expected", [
+    ("rl", {}, False),  # the base config: 2 minibatches, the second starts from moved params
+    ("rl", {"minibatches": 1}, True),
+    ("rl", {"minibatches": 1, "microbatches": 4}, True),  # params only move after the last
+    ("rl", {"minibatches": 1, "epochs": 2}, False),
+    ("rl", {"minibatches": 1, "tis_cap": 2.0}, True),
+    ("rl", {"minibatches": 1, "kl_in_reward": True}, False),  # the reward reads them first
+    ("rl", {"minibatches": 1, "kl_in_reward": True, "kl_coef": 0.0}, True),  # no KL at all
+    ("bc", {"minibatches": 1}, False),  # cross-entropy reads no old log-probs
+])
+def test_old_logprobs_come_from_the_update_when_nothing_needs_them_before_it(mode, algo,
+                                                                             expected):
+  c = _config(**algo)
+  c.mode = mode
+  cfg = update_lib.UpdateConfig.from_config(c)
+  assert cfg.algo.old_logprobs_from_update is expected
+  z = jnp.zeros((2, 3))
+  batch = update_lib.build_batch(cfg.algo, tokens=z, valid=z, loss_mask=z, old_logprobs=z,
+                                 advantages=z, ref_logprobs=z, returns=z, values=z,
+                                 rollout_logprobs=z)
+  assert ("old_logprobs" not in batch) is expected
+  # The update compares its log-probs with the sampler's: the batch must hold them.
+  if expected:
+    with pytest.raises(ValueError, match=r"\['rollout_logprobs'\]"):
+      update_lib.build_batch(cfg.algo, tokens=z, valid=z, loss_mask=z, advantages=z,
+                             ref_logprobs=z)
+
+
+def test_update_config_refuses_old_logprobs_from_an_update_of_several_steps():
+  cfg = update_lib.UpdateConfig.from_config(_config(minibatches=1))
+  with pytest.raises(ValueError, match="epochs=1 x minibatches=2"):
+    dataclasses.replace(cfg, minibatches=2)
+
+
+# Adam's first step moves each parameter by lr x g / (|g| + eps): where a gradient is ~eps, the
+# gradients' 1e-7 agreement leaves up to ~1e-3 of lr to chance, so parameters are compared at
+# 1e-6 after steps of 1e-3 (still a thousandth of a step).
+_PARITY_LR = 1e-3
+
+
+def _update_step(run, cfg):
+  return update_lib.make_update_step(run.policy_def, run.critic_def, run.opts, cfg, run.mesh,
+                                     run.shardings)
+
+
+def _off_policy_path(cfg):
+  """`cfg` with its old log-probs scored before the update (today's separate forward)."""
+  return dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo,
+                                                           old_logprobs_from_update=False))
+
+
+@pytest.mark.parametrize("estimator,algo", [
+    # KL term, truncated importance sampling (the sampler's log-probs are off by up to ~e^0.3),
+    # dual clip, 2 micro-batches, per-episode aggregation.
+    ("grpo", dict(kl_coef=0.05, tis_cap=1.2, clip_dual=3.0, microbatches=2,
+                  loss_agg_mode="seq-mean-token-mean")),
+    ("gae", dict(kl_coef=0.0, microbatches=1)),  # with a critic
+])
+def test_on_policy_update_equals_the_update_on_separately_scored_old_logprobs(estimator, algo):
+  config = _config(estimator=estimator, minibatches=1, entropy_coef=0.01, **algo)
+  config.optim.lr = _PARITY_LR
+  mesh = sharding.make_mesh((("data", 2), ("fsdp", 2), ("tensor", 1)),
+                            devices=jax.devices()[:4])
+  run = _Run(mesh, config)
+  on = update_lib.UpdateConfig.from_config(config)
+  off = _off_policy_path(on)
+  assert on.algo.old_logprobs_from_update
+  state = run.fresh()
+  batch = sharding.shard_batch(_batch(), mesh)
+  old = run.logprobs(state.policy, batch["tokens"], batch["valid"])
+  mask = np.asarray(batch["loss_mask"])
+  noise = np.random.default_rng(3).uniform(-0.3, 0.3, mask.shape) * mask
+  rollout = jnp.where(batch["loss_mask"], old + jnp.asarray(noise, jnp.float32), 0.0)
+  fields = dict(tokens=batch["tokens"], valid=batch["valid"], loss_mask=batch["loss_mask"],
+                advantages=batch["advantages"], ref_logprobs=batch["ref_logprobs"],
+                returns=batch["returns"],
+                values=run.values(state.critic, batch["tokens"], batch["valid"]),
+                rollout_logprobs=rollout)
+  on_batch = update_lib.build_batch(on.algo, **fields)
+  off_batch = update_lib.build_batch(off.algo, old_logprobs=old, **fields)
+  assert "old_logprobs" not in on_batch and "old_logprobs" in off_batch
+
+  # The gradient of each path, micro-batches accumulated as the update does.
+  den = losses.aggregation_denominator(batch["loss_mask"], on.algo.loss_agg_mode)
+  def grads(cfg, b):
+    loss_fn = functools.partial(update_lib.policy_loss, graphdef=run.policy_def, cfg=cfg)
+    return jax.jit(lambda p, b: update_lib.accumulate_gradients(
+        loss_fn, p, b, den, cfg.microbatches, mesh))(state.policy, b)
+  (want_loss, want_grads, want_aux), (got_loss, got_grads, got_aux) = (
+      grads(off, off_batch), grads(on, on_batch))
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  # The per-token log-probs the update returns are the scored old ones, in the batch's order.
+  np.testing.assert_allclose(np.where(mask, got_aux.pop("logprobs"), 0.0),
+                             np.where(mask, old, 0.0), atol=1e-6)
+  assert set(got_aux) == set(want_aux)
+
+  # The whole update: same parameters, moments and metrics; the ratio is exactly 1.
+  want_state, want = jax.device_get(_update_step(run, off)(run.fresh(), off_batch))
+  got_state, got = jax.device_get(_update_step(run, on)(run.fresh(), on_batch))
+  assert float(got["actor/approx_kl"]) == 0.0 and float(got["actor/clip_frac"]) == 0.0
+  gap = update_lib.logprob_gap(old, rollout, mask)
+  assert set(got) == set(want) | set(gap)
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-6, err_msg=key)
+  for key in gap:  # what the separate scoring pass logged
+    assert float(gap[key]) > 0.01
+    np.testing.assert_allclose(got[key], gap[key], rtol=1e-6, atol=1e-6, err_msg=key)
+  for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+class _ShortPool:
+  """Episodes of one or two turns (slot s lasts 1 + s % 2), a few tokens each: rows far shorter
+  than the context limit. The last step rewards an odd-length reply, so groups carry signal."""
+
+  env_cls = None
+
+  def reset(self, task_ids):
+    self.turns = [0] * len(task_ids)
+    return [StepOutcome(f"Task {t}.", 0.0, False, False, {"instruction": "Reply."})
+            for t in task_ids]
+
+  def step(self, slots, responses):
+    outs = []
+    for slot, response in zip(slots, responses):
+      self.turns[slot] += 1
+      done = self.turns[slot] > slot % 2
+      reward = float(len(response) % 2) if done else 0.0
+      outs.append(StepOutcome("Next." if not done else "Done.", reward, done, False,
+                              {"success": reward > 0}))
+    return outs
+
+
+@functools.lru_cache(maxsize=None)
+def _bpe():
+  return ChatTokenizer.train_bpe(["Task 3. Reply.", "Next.", "Done. Action: go"] * 10,
+                                 vocab_size=300)
+
+
+def _train_step(config, *, policy_scores_old):
+  """`rl_batch` and the update of step 0, as train/loop.py runs them (2 data-parallel
+  devices), the old log-probs scored apart or not: (batch, update metrics, state after, which
+  parameters the log-prob scorer was called with)."""
+  tok = _bpe()
+  mesh = sharding.make_mesh((("data", 2), ("fsdp", 1), ("tensor", 1)),
+                            devices=jax.devices()[:2])
+  cfg = update_lib.UpdateConfig.from_config(config)
+  if policy_scores_old:
+    cfg = _off_policy_path(cfg)
+  policy = policies.build_policy(config, tok, mesh)
+  state, split, opts = state_lib.create(config, policy, None,
+                                        keep_reference=cfg.algo.keep_reference, mesh=mesh)
+  score_logprobs, _ = update_lib.make_scorers(
+      split.policy_def, None, cfg.temperature,
+      config.algo.minibatches * config.algo.microbatches, mesh)
+  scored = []
+
+  def spy(params, tokens, valid):
+    scored.append({id(state.policy): "policy", id(state.ref): "reference"}[id(params)])
+    return score_logprobs(params, tokens, valid)
+
+  inputs = batches.StepInputs(
+      config=config, update=cfg, tok=tok, pool=_ShortPool(),
+      stream=data.TaskStream(range(8), config.seed), mesh=mesh,
+      share=multihost.process_share(mesh), policy_def=split.policy_def,
+      rollout=RolloutSettings.from_config(config), scorers=(spy, None),
+      advantages=algorithm.make_advantage_fn(cfg.algo))
+  got = batches.rl_batch(inputs, state, 0, 0, max_turns=2, saving=False)
+  step = update_lib.make_update_step(split.policy_def, None, opts, cfg, mesh, split.shardings)
+  state, metrics = step(state, got.batch)
+  return got, jax.device_get(metrics), _copy(state.policy), scored
+
+
+@pytest.mark.parametrize("history_turns", [0, 1])
+def test_on_policy_step_scores_the_reference_only_and_trains_as_the_separate_scoring(
+    history_turns):
+  c = _config(kl_coef=0.05, minibatches=1, microbatches=2)
+  c.optim.lr = _PARITY_LR
+  c.data.batch_tasks, c.data.group_size = 2, 2
+  c.rollout.max_reply_tokens = 4
+  c.rollout.history_turns = history_turns
+  # A long context limit: the update's rows must not be as long as it.
+  c.rollout.max_context = 2048
+  c.model.arch.num_layers, c.model.arch.hidden_size = 1, 32
+  on, on_metrics, on_params, on_scored = _train_step(c, policy_scores_old=False)
+  off, off_metrics, off_params, off_scored = _train_step(c, policy_scores_old=True)
+  assert on_scored == ["reference"] and off_scored == ["policy", "reference"]
+
+  # Rows as long as the longest episode (bucketed), never the context limit's bucket.
+  longest = max(len(e.tokens) for e in on.episodes)
+  assert on.host.tokens.shape[1] == bucket_length(longest) < bucket_length(2048)
+  if not history_turns:
+    assert on.batch["tokens"].shape[1] == bucket_length(longest)
+  else:  # per-turn rows: as long as the longest turn's context and reply
+    assert on.batch["tokens"].shape[1] <= bucket_length(longest)
+
+  # The same rollout, trained the same; the sampler/trainer gap moved to the update's metrics.
+  np.testing.assert_array_equal(on.host.tokens, off.host.tokens)
+  assert "rollout/logprob_gap" not in on.metrics
+  for key in ("rollout/logprob_gap", "rollout/logprob_gap_max"):
+    np.testing.assert_allclose(on_metrics[key], off.metrics[key], rtol=1e-5, atol=1e-6)
+  assert on_metrics["rollout/logprob_gap"] < 1e-4
+  assert set(on_metrics) == set(off_metrics) | {"rollout/logprob_gap",
+                                                "rollout/logprob_gap_max"}
+  for key in off_metrics:
+    np.testing.assert_allclose(on_metrics[key], off_metrics[key], rtol=1e-6, atol=1e-6,
+                               err_msg=key)
+  for a, b in zip(jax.tree.leaves(on_params), jax.tree.leaves(off_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

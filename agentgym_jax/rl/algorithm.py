@@ -2,8 +2,8 @@
 
 Every other module reads the algorithm from an `AlgorithmSpec` instead of from the config, so
 each derived choice (which estimator, whether a critic and a reference model are kept, where
-the KL penalty goes, which policy loss) is made, and validated, in `AlgorithmSpec.from_config`
-alone:
+the KL penalty goes, which policy loss, whether the old log-probs are scored before the update
+or taken from its own forward) is made, and validated, in `AlgorithmSpec.from_config` alone:
 
   spec = AlgorithmSpec.from_config(config)
   advantages_fn = make_advantage_fn(spec)   # jitted; None for behaviour cloning
@@ -58,6 +58,12 @@ class AlgorithmSpec:
   dynamic_sampling, dynamic_sampling_max_rounds: DAPO's dynamic sampling and its bound on
     extra rollout rounds (`dynamic_sampling.fill_batch`).
   (In behaviour cloning these four are off: the batch is the expert's.)
+  old_logprobs_from_update: the update's own first forward gives the old log-probs (held
+    constant: ratio 1), so the policy is not scored apart before it. Exact when the update
+    makes one optimizer step per batch (algo.epochs = algo.minibatches = 1: the parameters
+    do not change between the micro-batches of its one minibatch) and nothing before the
+    update reads them (the KL in the reward does); the update then logs the sampler/trainer
+    log-prob gap (`update.logprob_gap`).
   The rest are `config.algo`'s coefficients, as documented in train/config.py.
   """
 
@@ -85,6 +91,7 @@ class AlgorithmSpec:
   overlong_penalty: float = 0.0
   dynamic_sampling: bool = False
   dynamic_sampling_max_rounds: int = 0
+  old_logprobs_from_update: bool = False
 
   @property
   def uses_turns(self) -> bool:
@@ -140,7 +147,9 @@ class AlgorithmSpec:
         overlong=algo.overlong if rl else "none",
         overlong_penalty=algo.overlong_penalty if rl and algo.overlong == "penalty" else 0.0,
         dynamic_sampling=rl and algo.dynamic_sampling,
-        dynamic_sampling_max_rounds=algo.dynamic_sampling_max_rounds if rl else 0)
+        dynamic_sampling_max_rounds=algo.dynamic_sampling_max_rounds if rl else 0,
+        old_logprobs_from_update=(rl and algo.epochs == 1 and algo.minibatches == 1
+                                  and not (kl and algo.kl_in_reward)))
 
 
 def estimator_options(estimator: str, kwargs: Any) -> tuple[tuple[str, Any], ...]:

@@ -181,7 +181,11 @@ def _sample(inputs: StepInputs, params: Any, task_ids: list[int], max_turns: int
 def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor: int,
              max_turns: int, saving: bool) -> StepBatch:
   """The policy's rollouts of the next tasks (more rounds with dynamic sampling), scored by
-  the policy, the reference and the critic, with the estimator's advantages."""
+  the policy, the reference and the critic, with the estimator's advantages.
+
+  The policy scores its old log-probs here only when the update cannot take them from its own
+  forward (`AlgorithmSpec.old_logprobs_from_update`); the update then logs the
+  sampler/trainer gap instead of this batch's diagnostics."""
   config, spec, put = inputs.config, inputs.spec, inputs.put
   tasks = config.data.batch_tasks
   start = time.perf_counter()
@@ -209,13 +213,13 @@ def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor:
   tokens, valid, mask = put(trained.tokens), put(trained.valid), put(trained.loss_mask)
   to_episodes, to_rows = _layouts(turn_rows, put, host.tokens.shape)
 
-  # ----- scoring: old and reference log-probs, values -----
+  # ----- scoring: old (unless the update's forward gives them) and reference log-probs, values
   score_logprobs, score_values = inputs.scorers
-  old_logprobs = score_logprobs(state.policy, tokens, valid)
-  ref_logprobs = (score_logprobs(state.ref, tokens, valid) if state.ref is not None
-                  else jnp.zeros_like(old_logprobs))
-  values = (score_values(state.critic, tokens, valid) if score_values is not None
-            else jnp.zeros_like(old_logprobs))
+  zeros = jnp.zeros(tokens.shape, jnp.float32, device=tokens.sharding)
+  old_logprobs = (zeros if spec.old_logprobs_from_update
+                  else score_logprobs(state.policy, tokens, valid))
+  ref_logprobs = score_logprobs(state.ref, tokens, valid) if state.ref is not None else zeros
+  values = score_values(state.critic, tokens, valid) if score_values is not None else zeros
   jax.block_until_ready((old_logprobs, ref_logprobs, values))
   scored = time.perf_counter()
 
@@ -240,11 +244,12 @@ def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor:
       spec, tokens=tokens, valid=valid, loss_mask=mask, old_logprobs=old_logprobs,
       advantages=to_rows(adv), ref_logprobs=ref_logprobs, returns=to_rows(returns),
       values=values, seq_tokens=None if turn_rows is None else put(turn_rows.episode_tokens),
-      rollout_logprobs=put(trained.sample_logprobs) if spec.tis_cap > 0 else None)
+      rollout_logprobs=put(trained.sample_logprobs))
 
   # One copy to the host of what the diagnostics (and a saved step) read.
   fetched = multihost.fetch(
-      {"adv": adv, "old_logprobs": old_lp}
+      {"adv": adv}
+      | ({} if spec.old_logprobs_from_update else {"old_logprobs": old_lp})
       | ({"reward_kl": reward_kl} if spec.kl_in_reward else {})
       | ({"values": old_values, "returns": returns} if spec.use_critic else {}))
   logged.update(metrics_lib.episode_metrics(host, stats["episodes"]))
@@ -280,15 +285,17 @@ def _batch_diagnostics(host: Any, got: dict[str, np.ndarray], *,
   `rollout/logprob_gap` is the mean |log-prob of the trainer's forward - the sampler's| over
   agent tokens (`rollout/logprob_gap_max` its max, the token that `algo.tis_cap` would weigh
   most): ~1e-7 when both compute the same distribution; a large gap means the
-  rollout and the loss disagree (e.g. a temperature or masking mismatch). `got` holds the
-  [B, L] host arrays an enabled diagnostic reads: adv, old_logprobs, reward_kl (KL in the
-  reward), values and returns (a critic).
+  rollout and the loss disagree (e.g. a temperature or masking mismatch). It is the update's
+  metric instead when the update's forward gives the old log-probs
+  (`spec.old_logprobs_from_update`). `got` holds the [B, L] host arrays an enabled diagnostic
+  reads: adv, old_logprobs (scored before the update), reward_kl (KL in the reward), values
+  and returns (a critic).
   """
   mask = np.asarray(host.loss_mask).astype(bool)
   out = _masked_stats("batch/advantage", got["adv"], mask)
-  gap = np.abs(got["old_logprobs"] - host.sample_logprobs)[mask]
-  out["rollout/logprob_gap"] = float(gap.mean()) if mask.any() else 0.0
-  out["rollout/logprob_gap_max"] = float(gap.max()) if mask.any() else 0.0
+  if not spec.old_logprobs_from_update:
+    out.update({k: float(v) for k, v in update_lib.logprob_gap(
+        got["old_logprobs"], host.sample_logprobs, mask).items()})
   if spec.kl_in_reward:
     out["reward/kl_mean"] = float(got["reward_kl"][mask].mean()) if mask.any() else 0.0
   if spec.use_critic:

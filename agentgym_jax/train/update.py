@@ -23,6 +23,12 @@ Alignment: log-probabilities and entropies sit on the token they score (`rl.logp
 do values: `values[:, t] = V(tokens[<t])`, the value of the state in which token t was chosen
 (verl's convention). Position 0 is never an agent token and gets 0.
 
+Old log-probs: scored before the update (`make_scorers`), or, when the update makes one
+optimizer step per batch and nothing before it reads them
+(`AlgorithmSpec.old_logprobs_from_update`), its own forward's log-probs held constant: that
+forward runs, in every micro-batch, the parameters the old log-probs would be scored with, so
+the loss is the same (ratio exactly 1) and the step saves a forward pass over the batch.
+
 Rows of a micro-batch are strided (micro-batch k holds rows k, k + K, k + 2K, ...), so with the
 row axis split over the data-parallel devices every micro-batch spans all of them.
 """
@@ -50,11 +56,13 @@ from agentgym_jax.train.state import UPDATE_STREAM, Optimizers, Params, TrainSta
 class Batch(TypedDict, total=False):
   """The update's batch, built by `build_batch`: [R, L] arrays, rows split over the data axes.
 
-  tokens, valid, loss_mask, old_logprobs and advantages always; ref_logprobs when the KL term
-  is in the loss; returns and old_values with a critic; seq_tokens [R] where rows are turns of
-  episodes (the agent tokens of each row's episode: `losses.aggregate`'s sequences);
-  rollout_logprobs (the sampler's log-probs, `Trajectory.sample_logprobs`) with truncated
-  importance sampling (`spec.tis_cap` > 0).
+  tokens, valid, loss_mask and advantages always; old_logprobs unless the update's own forward
+  gives them (`spec.old_logprobs_from_update`); ref_logprobs when the KL term is in the loss;
+  returns and old_values with a critic; seq_tokens [R] where rows are turns of episodes (the
+  agent tokens of each row's episode: `losses.aggregate`'s sequences); rollout_logprobs (the
+  sampler's log-probs, `Trajectory.sample_logprobs`) with truncated importance sampling
+  (`spec.tis_cap` > 0) and when the update measures the sampler/trainer gap (its old log-probs
+  are its own).
   """
 
   tokens: jax.Array
@@ -79,19 +87,22 @@ def build_batch(spec: AlgorithmSpec, *, tokens: jax.Array, valid: jax.Array,
   `seq_tokens` when the rows are per-turn rows); all [R, L] but seq_tokens [R].
 
   Behaviour cloning (cross-entropy) reads tokens, valid and loss_mask only: old_logprobs and
-  advantages are then zeros when not given.
+  advantages are then zeros when not given. With `spec.old_logprobs_from_update` the batch
+  has no old_logprobs (the update computes them; any given are left out) and holds
+  rollout_logprobs, which the update's gap metrics compare its log-probs with.
 
   Raises ValueError when a field the algorithm trains with is missing (e.g. truncated
   importance sampling without `rollout_logprobs`)."""
   rl = spec.policy_loss != "cross_entropy"
   zeros = lambda: jnp.zeros(tokens.shape, jnp.float32, device=tokens.sharding)
-  trained = {"old_logprobs": old_logprobs if rl else zeros(),
-             "advantages": advantages if rl else zeros()}
+  trained = {"advantages": advantages if rl else zeros()}
+  if not spec.old_logprobs_from_update:
+    trained["old_logprobs"] = old_logprobs if rl else zeros()
   if spec.kl_in_loss:
     trained["ref_logprobs"] = ref_logprobs
   if spec.use_critic:
     trained.update(returns=returns, old_values=values)
-  if spec.tis_cap > 0:
+  if spec.tis_cap > 0 or spec.old_logprobs_from_update:
     trained["rollout_logprobs"] = rollout_logprobs
   missing = [name for name, x in trained.items() if x is None]
   if missing:
@@ -114,6 +125,12 @@ class UpdateConfig:
   microbatches: int
   temperature: float
   compute_dtype: str = "float32"  # the forward's: "bfloat16" is mixed precision (`as_compute`)
+
+  def __post_init__(self):
+    if self.algo.old_logprobs_from_update and self.updates_per_step != 1:
+      raise ValueError("UpdateConfig: old log-probs from the update's own forward need one "
+                       f"optimizer update per batch, got epochs={self.epochs} x "
+                       f"minibatches={self.minibatches}.")
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "UpdateConfig":
@@ -195,26 +212,32 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
 
   Args:
     params: policy parameters.
-    micro: tokens, valid, loss_mask, old_logprobs, advantages [m, L] (+ ref_logprobs when the
-      KL term is in the loss, rollout_logprobs with truncated importance sampling: the
-      surrogate of each token is then weighted by `losses.tis_weights`).
+    micro: tokens, valid, loss_mask, advantages [m, L], old_logprobs unless
+      `cfg.algo.old_logprobs_from_update` (+ ref_logprobs when the KL term is in the loss,
+      rollout_logprobs with truncated importance sampling: the surrogate of each token is then
+      weighted by `losses.tis_weights`).
     denominator: `losses.aggregation_denominator` of the whole minibatch.
   Returns:
     (loss scalar, aux): aux holds `pg_loss` (the aggregated surrogate alone) and masked token
     sums of entropy, kl, clip_frac, clip_frac_lower, approx_kl (tis_weight, tis_capped with
     truncated importance sampling), plus the token count `tokens`,
-    so that sums over micro-batches give exact minibatch means.
+    so that sums over micro-batches give exact minibatch means; with
+    `old_logprobs_from_update` also `logprobs` [m, L], this forward's (the old log-probs).
   """
   model = nnx.merge(graphdef, as_compute(params, cfg.compute_dtype))
   mask = micro["loss_mask"]
   logp, entropy = sequence_logprobs_and_entropy(model, micro["tokens"], micro["valid"],
                                                 cfg.temperature)
+  # One optimizer step per batch: these parameters are the ones the old log-probs would be
+  # scored with, so this forward's log-probs, held constant, are them (ratio exactly 1).
+  old = (jax.lax.stop_gradient(logp) if cfg.algo.old_logprobs_from_update
+         else micro["old_logprobs"])
   pg, pg_metrics = losses.POLICY_LOSSES[cfg.algo.policy_loss](
-      logp, micro["old_logprobs"], micro["advantages"], mask, clip_ratio_low=cfg.algo.clip_low,
+      logp, old, micro["advantages"], mask, clip_ratio_low=cfg.algo.clip_low,
       clip_ratio_high=cfg.algo.clip_high, clip_ratio_c=cfg.algo.clip_dual or None)
   if cfg.algo.tis_cap > 0:
-    weights, tis_metrics = losses.tis_weights(micro["old_logprobs"], micro["rollout_logprobs"],
-                                              mask, cfg.algo.tis_cap)
+    weights, tis_metrics = losses.tis_weights(old, micro["rollout_logprobs"], mask,
+                                              cfg.algo.tis_cap)
     pg = pg * weights
     pg_metrics = {**pg_metrics, **tis_metrics}
   token_loss = pg - cfg.algo.entropy_coef * entropy
@@ -228,6 +251,8 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
   seq_tokens = micro.get("seq_tokens")
   aux["pg_loss"] = losses.aggregate(pg, mask, cfg.algo.loss_agg_mode, denominator, seq_tokens)
   aux["tokens"] = tokens
+  if cfg.algo.old_logprobs_from_update:
+    aux["logprobs"] = old
   return losses.aggregate(token_loss, mask, cfg.algo.loss_agg_mode, denominator,
                           seq_tokens), aux
 
@@ -264,27 +289,34 @@ def accumulate_gradients(loss_fn: Callable, params: Params, minibatch: Batch,
   of the minibatch in one piece; only peak memory depends on `num_micro`.
 
   Args:
-    loss_fn: (params, micro-batch, denominator) -> (scalar loss, dict of scalar sums).
+    loss_fn: (params, micro-batch, denominator) -> (scalar loss, aux): aux a dict of scalar
+      sums and of per-row arrays [m, ...] (e.g. `policy_loss`'s logprobs).
     params: parameters to differentiate.
     minibatch: dict of [M, ...] arrays, M divisible by num_micro.
     denominator: scalar, the global aggregation denominator.
     num_micro: micro-batches.
     mesh: when given, micro-batch rows stay split over its data-parallel axes.
   Returns:
-    (loss, grads like params, aux sums).
+    (loss, grads like params, aux): the scalars summed over micro-batches, the per-row arrays
+    [M, ...] in the minibatch's row order.
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   micros = _constrain_rows(split_micro(minibatch, num_micro), mesh, row_axis=1)
+  # (scalar sums, per-row arrays) of an aux dict
+  split_aux = lambda aux: ({k: v for k, v in aux.items() if not v.ndim},
+                           {k: v for k, v in aux.items() if v.ndim})
 
   def body(carry, micro):
     (loss, aux), grads = grad_fn(params, micro, denominator)
-    return jax.tree.map(jnp.add, carry, (loss, grads, aux)), None
+    sums, rows = split_aux(aux)
+    return jax.tree.map(jnp.add, carry, (loss, grads, sums)), rows
 
   loss0, aux0 = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], micros),
                                denominator)
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, params, aux0))
-  (loss, grads, aux), _ = jax.lax.scan(body, zeros, micros)
-  return loss, grads, aux
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                       (loss0, params, split_aux(aux0)[0]))
+  (loss, grads, sums), rows = jax.lax.scan(body, zeros, micros)
+  return loss, grads, {**sums, **merge_micro(rows)}
 
 
 def _apply_if_finite(tx: optax.GradientTransformation, params: Params, opt_state: Any,
@@ -303,6 +335,25 @@ def _apply_if_finite(tx: optax.GradientTransformation, params: Params, opt_state
           grad_norm, 1.0 - finite.astype(jnp.float32))
 
 
+def logprob_gap(logprobs: jax.Array, rollout_logprobs: jax.Array, mask: jax.Array
+                ) -> dict[str, jax.Array]:
+  """How far the trainer's log-probs are from the sampler's, over the agent tokens.
+
+  Args:
+    logprobs: [B, L] the trainer's forward (the old log-probs).
+    rollout_logprobs: [B, L] the sampler's of the same tokens.
+    mask: [B, L] agent tokens.
+  Returns:
+    `rollout/logprob_gap`, the mean |logprobs - rollout_logprobs|, and
+    `rollout/logprob_gap_max`, its max (the token `algo.tis_cap` would weigh most); both 0
+    without an agent token.
+  """
+  mask = jnp.asarray(mask).astype(bool)
+  gap = jnp.where(mask, jnp.abs(jnp.asarray(logprobs, jnp.float32) - rollout_logprobs), 0.0)
+  count = jnp.maximum(jnp.sum(mask, dtype=jnp.float32), 1.0)
+  return {"rollout/logprob_gap": jnp.sum(gap) / count, "rollout/logprob_gap_max": jnp.max(gap)}
+
+
 # ----- the update ------------------------------------------------------------------------------
 
 
@@ -316,13 +367,17 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
   shardings of `state_shardings`, and the batch's rows are split over the data axes.
 
   Batch fields, each [R, L] with R divisible by minibatches x microbatches x data shards:
-  tokens, valid, loss_mask, old_logprobs, advantages; ref_logprobs when the KL term is in the
-  loss; returns, old_values with a critic; seq_tokens [R] with per-turn rows (`Batch`). Rows
-  are either layout: one packed row per episode, or one row per turn (rollout/window.py).
+  tokens, valid, loss_mask, advantages; old_logprobs, or rollout_logprobs when the update's
+  forward gives them (`AlgorithmSpec.old_logprobs_from_update`); ref_logprobs when the KL term
+  is in the loss; returns, old_values with a critic; seq_tokens [R] with per-turn rows
+  (`Batch`). Rows are either layout: one packed row per episode, or one row per turn
+  (rollout/window.py).
 
   Metrics (means over the step's optimizer updates): actor/{loss, pg_loss, entropy,
   clip_frac, clip_frac_lower, approx_kl, grad_norm, lr, skipped}, actor/kl with the KL term in
-  the loss; with a critic critic/{value_loss, vf_clip_frac, grad_norm, lr, skipped}.
+  the loss; with a critic critic/{value_loss, vf_clip_frac, grad_norm, lr, skipped}; when the
+  old log-probs are the update's own, rollout/{logprob_gap, logprob_gap_max} (`logprob_gap`
+  over the loss mask: the scoring pass that logs them otherwise did not run).
   `skipped` is the fraction of updates dropped for a non-finite loss or gradient; `lr` is the
   schedule at the update's index (steps done x updates per step + i), grad_norm is before
   clipping.
@@ -343,8 +398,11 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
                                             cfg.microbatches, mesh)
     policy, opt_state, grad_norm, skipped = _apply_if_finite(
         optimizers.policy, policy, opt_state, grads, loss)
+    gap = (logprob_gap(aux.pop("logprobs"), minibatch["rollout_logprobs"],
+                       minibatch["loss_mask"]) if cfg.algo.old_logprobs_from_update else {})
     tokens = jnp.maximum(aux.pop("tokens"), 1.0)
     metrics = {f"actor/{k}": v / tokens for k, v in aux.items() if k != "pg_loss"}
+    metrics.update(gap)
     metrics.update({"actor/pg_loss": aux["pg_loss"], "actor/loss": loss,
                     "actor/grad_norm": grad_norm, "actor/skipped": skipped,
                     "actor/lr": optimizers.policy_lr(index)})
@@ -393,7 +451,8 @@ def make_scorers(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
   update's compute dtype (so old log-probs are the update's at its first step).
 
   Returns:
-    logprobs(params, tokens, valid) -> [R, L] float32, for old and reference log-probs;
+    logprobs(params, tokens, valid) -> [R, L] float32, for reference and (unless the update's
+      forward gives them, `AlgorithmSpec.old_logprobs_from_update`) old log-probs;
     values(params, tokens, valid) -> [R, L] float32 (None without a critic).
     Both take rows split over the data axes and return them the same way.
   """
