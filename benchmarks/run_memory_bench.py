@@ -7,7 +7,7 @@ Runs the trainer in-process on a config's runlocal variant and reports
     the largest value seen, and the train state's own share;
   - live JAX bytes after `train` returns (should be ~0: nothing leaks out of a run).
 
-  python benchmarks/memory_bench.py [--config experiments/keypad/learn.py:runlocal]
+  python benchmarks/run_memory_bench.py [--config experiments/keypad/learn.py:runlocal]
 
 There is no reference implementation to compare with, so the last line is the peak RSS in MiB
 instead of a ratio.

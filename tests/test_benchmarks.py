@@ -38,7 +38,10 @@ CASES = [
                                   "--sciworld-warmup", "1"], RATIO, id="env-sciworld",
                  marks=pytest.mark.slow),
     pytest.param("sciworld_step.py", [], RATIO, id="sciworld-step", marks=pytest.mark.slow),
-    pytest.param("memory_bench.py", [], r"peak RSS: \d+ MiB", id="memory",
+    pytest.param("memory_bench.py", ["--config", "experiments/keypad/learn.py:runlocal",
+                                     "--lengths", "64,128", "--time_lengths", "64",
+                                     "--repeats", "1"], RATIO, id="memory"),
+    pytest.param("run_memory_bench.py", [], r"peak RSS: \d+ MiB", id="run-memory",
                  marks=pytest.mark.slow),
 ]
 
@@ -57,3 +60,21 @@ def test_benchmark_runs(script, args, last_line):
   warned = [lines[i + 1].startswith("WARNING: load") for i, _ in reports]
   assert warned == [float(m[2]) > int(m[3]) for _, m in reports], result.stdout[-3000:]
   assert reports[1][0] + 1 + warned[1] == len(lines) - 1, result.stdout[-3000:]
+
+
+def test_sample_rss_sees_a_commands_memory(tmp_path):
+  """A child that holds 200 MiB for two seconds: sampled every 0.2 s, its peak is seen, every
+  sample is a TSV line, and the command's exit status is passed on."""
+  child = "import sys, time; x = bytearray(200 << 20); x[::4096] = b'1' * len(x[::4096]); " \
+          "time.sleep(2); sys.exit(3)"
+  out = tmp_path / "rss.tsv"
+  result = subprocess.run(
+      [sys.executable, os.path.join("benchmarks", "sample_rss.py"), "--every", "0.2", "--out",
+       str(out), "--", sys.executable, "-c", child],
+      cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+  assert result.returncode == 3, result.stderr[-2000:]
+  peak = re.search(r"peak RSS: main (\d+) MiB", result.stdout)
+  assert peak and 190 <= int(peak[1]) <= 400, result.stdout
+  rows = out.read_text().splitlines()
+  assert rows[0] == "seconds\tmain_MiB\tchildren_MiB" and len(rows) > 5
+  assert max(float(r.split("\t")[1]) for r in rows[1:]) == int(peak[1])

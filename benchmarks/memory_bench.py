@@ -1,0 +1,146 @@
+"""The update's memory and speed against row length, for each attention kernel and layer loop.
+
+For one row of a config's update (one task, one sample, one micro-batch, `rollout.max_context`
+set to each length), compiles the trainer's own update (`plan.Run`, `update.make_update_step`)
+for this machine's CPU and reads its temporaries from XLA's memory analysis; at the lengths of
+--time_lengths it also runs the update on random weights and tokens and reports tokens/s and
+the model FLOP/s as a fraction of a jitted f32 matmul's, measured in the same run (its MFU;
+remat's recomputed forward is not counted as model FLOPs).
+
+  python benchmarks/memory_bench.py \
+      [--config experiments/smollm2/babyai.py:stage=rl,init=none] \
+      [--lengths 1024,2048,4096,8192] [--time_lengths 1024,2048] \
+      [--choices blockwise/scan/remat,blockwise/unroll,xla/unroll] [--repeats 2]
+
+A choice is attention/layer_loop[/remat]. The last line is
+`ratio: <last choice's temporaries / first choice's>` at the longest length: with the defaults,
+how many times less memory the blockwise scan with remat needs than the XLA form unrolled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from agentgym_jax import plan as plan_lib
+from agentgym_jax.models import Decoder
+from agentgym_jax.train import state as state_lib
+from agentgym_jax.train import update as update_lib
+import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
+from flops import matmul_peak, train_flops_per_step  # benchmarks/flops.py
+from run_memory_bench import load_config  # benchmarks/run_memory_bench.py
+from update_bench import make_batch  # benchmarks/update_bench.py
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """An attention kernel, a layer loop and whether to remat: attention/layer_loop[/remat]."""
+
+  attention: str
+  layer_loop: str
+  remat: bool
+
+  @classmethod
+  def parse(cls, text: str) -> "Choice":
+    parts = text.split("/")
+    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "remat"):
+      raise SystemExit(f"--choices: {text!r} is not attention/layer_loop[/remat]")
+    return cls(parts[0], parts[1], len(parts) == 3)
+
+  def __str__(self) -> str:
+    return f"{self.attention}/{self.layer_loop}" + ("/remat" if self.remat else "")
+
+
+def one_row_config(spec: str, choice: Choice, length: int):
+  """The config's update cut to one row of `length` tokens, with `choice`'s model settings."""
+  config = load_config(spec)
+  with config.unlocked():
+    config.data.batch_tasks = config.data.group_size = 1
+    config.algo.minibatches = config.algo.microbatches = config.algo.epochs = 1
+    config.rollout.max_context = length
+    config.model.attention, config.model.layer_loop = choice.attention, choice.layer_loop
+    config.model.remat = choice.remat
+    if config.model.source == "random" and not config.model.arch.vocab_size:
+      config.model.arch.vocab_size = 512
+  return config
+
+
+def temporaries(run: plan_lib.Run) -> int:
+  """Bytes of temporaries of the run's update, compiled for this CPU."""
+  step = update_lib.make_update_step(run.policy_def, run.critic_def, run.optimizers,
+                                     run.update_cfg, run.mesh, run.shardings)
+  return plan_lib._compile("update", lambda: step.lower(run.state, run.batch())).temporaries  # pylint: disable=protected-access
+
+
+def seconds_per_update(run: plan_lib.Run, length: int, repeats: int) -> float:
+  """The fastest of `repeats` updates of one random row (after one to compile), on random
+  weights of the run's model."""
+  policy = Decoder(run.cfg, rngs=nnx.Rngs(0))
+  split = state_lib.split_models(policy, None, keep_reference=run.spec.keep_reference,
+                                 optimizers=run.optimizers, mesh=run.mesh)
+  state = state_lib.init_train_state(policy=split.policy, critic=None,
+                                     keep_reference=run.spec.keep_reference,
+                                     optimizers=run.optimizers, seed=0,
+                                     shardings=split.shardings)
+  host = make_batch(1, length, run.cfg.vocab_size)
+  host["valid"][:] = True  # a full row: the length timed is the length computed
+  zeros = np.zeros((1, length), np.float32)
+  batch = update_lib.build_batch(
+      run.spec, tokens=host["tokens"], valid=host["valid"], loss_mask=host["loss_mask"],
+      old_logprobs=zeros, advantages=host["advantages"], ref_logprobs=zeros, returns=zeros,
+      values=zeros, rollout_logprobs=zeros)
+  step = update_lib.make_update_step(split.policy_def, None, run.optimizers, run.update_cfg,
+                                     run.mesh, split.shardings)
+  state, _ = jax.block_until_ready(step(state, batch))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    state, _ = jax.block_until_ready(step(state, batch))
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default="experiments/smollm2/babyai.py:stage=rl,init=none")
+  parser.add_argument("--lengths", default="1024,2048,4096,8192")
+  parser.add_argument("--time_lengths", default="1024,2048",
+                      help="lengths at which the update is also run and timed")
+  parser.add_argument("--choices", default="blockwise/scan/remat,blockwise/unroll,xla/unroll")
+  parser.add_argument("--repeats", type=int, default=2)
+  args = parser.parse_args()
+  lengths = [int(n) for n in args.lengths.split(",")]
+  timed = {int(n) for n in args.time_lengths.split(",") if n}
+  choices = [Choice.parse(c) for c in args.choices.split(",")]
+  loadavg.report("start")
+  peak = matmul_peak()() if timed else None
+  if peak:
+    print(f"f32 matmul peak (2048^3, jitted): {peak / 1e9:.1f} GFLOP/s", flush=True)
+  print(f"config: {args.config}; one row per update on one CPU device")
+  print("choice                      length  temporaries  tokens/s   MFU", flush=True)
+  found: dict[tuple[Choice, int], int] = {}
+  for choice in choices:
+    for length in lengths:
+      run = plan_lib.Run.build(one_row_config(args.config, choice, length), jax.devices()[:1])
+      found[choice, length] = temporaries(run)
+      speed = mfu = "-"
+      if length in timed:
+        seconds = seconds_per_update(run, length, args.repeats)
+        speed = f"{length / seconds:.0f}"
+        mfu = f"{train_flops_per_step(run.cfg, 1, length) / seconds / peak:.0%}"
+      print(f"{str(choice):26s}  {length:6d}  {found[choice, length] / GiB:8.2f} GiB"
+            f"  {speed:>8s}  {mfu:>4s}", flush=True)
+  loadavg.report("end")
+  longest = max(lengths)
+  print(f"ratio: {found[choices[-1], longest] / max(found[choices[0], longest], 1):.2f}")
+
+
+if __name__ == "__main__":
+  main()
