@@ -22,7 +22,7 @@ largest shapes:
 
   rollout_extend  append a chunk of 512 tokens to one host's rows of the KV cache
   rollout_decode  sample a whole turn into that cache (max_reply_tokens)
-  score_logprobs  old (and reference) log-probs of the step's batch
+  score_logprobs  reference (and, off-policy, old) log-probs of the step's batch
   score_values    the critic's values (PPO/GAE only)
   update          epochs x minibatches optimizer updates
 
