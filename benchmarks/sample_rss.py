@@ -12,7 +12,7 @@ start and end, and the exit status is the command's.
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import subprocess
 import sys
 import time
@@ -22,13 +22,11 @@ import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
 
 def vm_rss_mib(pid: int) -> float:
   """VmRSS of `pid` in MiB (0 once it is gone)."""
-  try:
-    with open(f"/proc/{pid}/status") as f:
-      for line in f:
-        if line.startswith("VmRSS:"):
-          return int(line.split()[1]) / 1024
-  except (FileNotFoundError, ProcessLookupError):
-    pass
+  with contextlib.suppress(FileNotFoundError, ProcessLookupError), \
+      open(f"/proc/{pid}/status") as f:
+    for line in f:
+      if line.startswith("VmRSS:"):
+        return int(line.split()[1]) / 1024
   return 0.0
 
 
@@ -68,10 +66,8 @@ def main() -> int:
       peak_main, peak_children = max(peak_main, main_mib), max(peak_children, children_mib)
       out.write(f"{time.time() - start:.1f}\t{main_mib:.0f}\t{children_mib:.0f}\n")
       out.flush()
-      try:
+      with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout=args.every)
-      except subprocess.TimeoutExpired:
-        pass
   loadavg.report("end")
   print(f"wall {time.time() - start:.0f} s; peak RSS: main {peak_main:.0f} MiB, children "
         f"{peak_children:.0f} MiB (samples every {args.every:g} s in {args.out})", flush=True)

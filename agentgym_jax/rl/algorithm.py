@@ -94,6 +94,12 @@ class AlgorithmSpec:
   old_logprobs_from_update: bool = False
 
   @property
+  def trains_with_rollout_logprobs(self) -> bool:
+    """Whether the update reads the sampler's log-probs: truncated importance sampling
+    weighs by them, and an update whose old log-probs are its own logs its gap to them."""
+    return self.tis_cap > 0 or self.old_logprobs_from_update
+
+  @property
   def uses_turns(self) -> bool:
     return bool(self.estimator) and advantages_lib.ESTIMATORS.traits(self.estimator)["uses_turns"]
 

@@ -244,7 +244,8 @@ def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor:
       spec, tokens=tokens, valid=valid, loss_mask=mask, old_logprobs=old_logprobs,
       advantages=to_rows(adv), ref_logprobs=ref_logprobs, returns=to_rows(returns),
       values=values, seq_tokens=None if turn_rows is None else put(turn_rows.episode_tokens),
-      rollout_logprobs=put(trained.sample_logprobs))
+      rollout_logprobs=(put(trained.sample_logprobs) if spec.trains_with_rollout_logprobs
+                        else None))
 
   # One copy to the host of what the diagnostics (and a saved step) read.
   fetched = multihost.fetch(

@@ -102,7 +102,7 @@ def build_batch(spec: AlgorithmSpec, *, tokens: jax.Array, valid: jax.Array,
     trained["ref_logprobs"] = ref_logprobs
   if spec.use_critic:
     trained.update(returns=returns, old_values=values)
-  if spec.tis_cap > 0 or spec.old_logprobs_from_update:
+  if spec.trains_with_rollout_logprobs:
     trained["rollout_logprobs"] = rollout_logprobs
   missing = [name for name, x in trained.items() if x is None]
   if missing:
