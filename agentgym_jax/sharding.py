@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 M = TypeVar("M", bound=nnx.Module)
@@ -52,6 +53,12 @@ def make_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | N
 
   -1 takes whatever devices the other axes leave. Example: [("data", -1), ("fsdp", 1),
   ("tensor", 1)] is pure data parallelism over all devices.
+
+  On a TPU slice each axis goes to whole physical axes of the chips' torus where the sizes
+  allow (what `jax.make_mesh` builds), and otherwise splits a physical axis between mesh
+  axes: `jax.make_mesh` refuses v5p-128 (4x4x4 chips) as data=-1, fsdp=2, since no set of its
+  sides multiplies to 2. Splitting a side shares its links between two mesh axes, as
+  MaxText's `allow_split_physical_axes` does; any sizes that multiply to the device count work.
   """
   devices = list(devices if devices is not None else jax.devices())
   names = tuple(name for name, _ in axes)
@@ -66,8 +73,8 @@ def make_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | N
   if math.prod(sizes) != len(devices):
     raise ValueError(f"Mesh {dict(zip(names, sizes))} needs {math.prod(sizes)} devices, "
                      f"but {len(devices)} are available; use -1 for one axis.")
-  return jax.make_mesh(tuple(sizes), names, axis_types=(AxisType.Auto,) * len(names),
-                       devices=devices)
+  grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+  return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,

@@ -1,9 +1,11 @@
-"""Meshes, logical-axis rules and sharded models on the 8 fake CPU devices from conftest."""
+"""Meshes, logical-axis rules and sharded models on the 8 fake CPU devices from conftest, and
+meshes on TPU slices' devices from libtpu (tests/tpu_slices.py)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tpu_slices
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -45,6 +47,36 @@ def test_make_mesh_sizes_and_errors():
     sharding.make_mesh([("data", 3), ("fsdp", 2), ("tensor", 1)])
   with pytest.raises(ValueError, match="do not divide"):
     sharding.make_mesh([("data", -1), ("fsdp", 3), ("tensor", 1)])
+
+
+@pytest.mark.parametrize("name, fsdp, tensor", [("v5p-128", 2, 1), ("v5p-128", 8, 2),
+                                                ("v4-32", 2, 4)])
+def test_a_mesh_axis_no_set_of_torus_sides_makes_splits_a_side_between_neighbours(
+    name, fsdp, tensor):
+  # v5p-128 is 4x4x4 chips and v4-32 2x2x4: no set of sides multiplies to 2 (or 2x4 is
+  # taken), which jax.make_mesh refuses. The split side keeps each pair along the innermost
+  # axis of more than one chip on neighbouring chips.
+  devices = tpu_slices.devices(name)
+  with pytest.raises(NotImplementedError, match="Failed to find assignment"):
+    jax.make_mesh((len(devices) // (fsdp * tensor), fsdp, tensor), sharding.MESH_AXES,
+                  devices=devices)
+  mesh = sharding.make_mesh([("data", -1), ("fsdp", fsdp), ("tensor", tensor)], devices)
+  assert dict(mesh.shape) == {"data": len(devices) // (fsdp * tensor), "fsdp": fsdp,
+                              "tensor": tensor}
+  assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+  innermost = mesh.devices[..., 0] if tensor == 1 else mesh.devices
+  for a, b in innermost.reshape(-1, 2):
+    assert sum(abs(x - y) for x, y in zip(a.coords, b.coords)) == 1, (a.coords, b.coords)
+
+
+@pytest.mark.parametrize("name", ["v5p-128", "v4-32", "v5e-64"])
+def test_meshes_jax_make_mesh_builds_are_unchanged(name):
+  devices = tpu_slices.devices(name)
+  for fsdp, tensor in ((1, 1), (4, 1), (4, 4), (1, 4)):
+    want = jax.make_mesh((len(devices) // (fsdp * tensor), fsdp, tensor), sharding.MESH_AXES,
+                         devices=devices)
+    got = sharding.make_mesh([("data", -1), ("fsdp", fsdp), ("tensor", tensor)], devices)
+    assert [d.id for d in got.devices.flat] == [d.id for d in want.devices.flat], (fsdp, tensor)
 
 
 def test_logical_to_spec_rules_and_fallbacks():
