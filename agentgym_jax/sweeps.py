@@ -8,12 +8,16 @@ An experiment file's `get_sweep(arg)` returns `list[dict[str, Any]]`, e.g.
 A key of the form "arg.NAME" sets the config file's structural argument NAME (the `:k=v` part
 of `--config=file.py:k=v`) instead of a config field, for knobs that change several fields at
 once (the algorithm: PPO adds a critic).
+
+A sweep's runs land in one workdir each, WORKDIR/NAME; `runs_in` finds them and `group_name`
+joins the seeds of one point (`python -m agentgym_jax.report`, the viewer's sweep page).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 import itertools
+import os
 import re
 from typing import Any
 
@@ -110,3 +114,26 @@ def point_name(point: Mapping[str, Any]) -> str:
     parts.append(f"{key.rsplit('.', 1)[-1]}={text}")
   name = ",".join(parts)
   return re.sub(r"[^A-Za-z0-9_.,=+-]", "_", name) or "default"
+
+
+# ----- the runs of a sweep -------------------------------------------------------------------
+
+SEED_KEY = "seed"
+
+
+def group_name(name: str) -> str:
+  """A run's point name without its seed component: the runs of a sweep that differ only by
+  seed share it. "algo=ppo,seed=3" -> "algo=ppo"; "seed=3" -> ""."""
+  return ",".join(part for part in name.split(",") if part.partition("=")[0] != SEED_KEY)
+
+
+def runs_in(path: str, marker: str) -> list[str]:
+  """The runs a path names: itself if it holds `marker` (a file or folder every run writes,
+  e.g. "metrics.jsonl"), else its sub-directories that hold it, sorted by name (a sweep's
+  workdir: one per point). Empty when neither does."""
+  if os.path.exists(os.path.join(path, marker)):
+    return [path]
+  if not os.path.isdir(path):
+    return []
+  children = (os.path.join(path, name) for name in sorted(os.listdir(path)))
+  return [child for child in children if os.path.exists(os.path.join(child, marker))]

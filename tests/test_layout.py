@@ -24,7 +24,7 @@ FLOORS = {
     "evaluate": 5,
     "train": 6,
     # 7: the tools around a training run.
-    "plan": 7, "replay": 7, "viewer": 7,
+    "plan": 7, "replay": 7, "report": 7, "viewer": 7,
 }
 
 
