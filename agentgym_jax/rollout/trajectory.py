@@ -116,6 +116,9 @@ class Episode:
   truncated: bool = False
   stop_reason: str = ""
   error: str = ""
+  # The policy version (updates its weights had) that sampled every agent token, where the
+  # trainer records it (asynchronous rollout, train/asynchronous.py); None: not recorded.
+  policy_version: int | None = None
 
   @property
   def failed(self) -> bool:

@@ -178,25 +178,47 @@ def _sample(inputs: StepInputs, params: Any, task_ids: list[int], max_turns: int
   return traj, stats
 
 
-def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor: int,
-             max_turns: int, saving: bool) -> StepBatch:
-  """The policy's rollouts of the next tasks (more rounds with dynamic sampling), scored by
-  the policy, the reference and the critic, with the estimator's advantages.
+@dataclasses.dataclass
+class Sampled:
+  """One step's rollouts before scoring: what `sample_step` drew and the update needs of it.
 
-  The policy scores its old log-probs here only when the update cannot take them from its own
-  forward (`AlgorithmSpec.old_logprobs_from_update`); the update then logs the
-  sampler/trainer gap instead of this batch's diagnostics."""
-  config, spec, put = inputs.config, inputs.spec, inputs.put
+  step: the step (0-based) whose batch this is; cursor: the task stream's position after its
+  draws; version: the policy version that sampled it (updates completed by those weights,
+  `state.step`); traj/episodes: the episodes (`Trajectory` [B, L], device or host arrays, and
+  their records); task_ids/key: the first round's tasks and sampler key (a replay regenerates
+  round 1 only); drawn: rounds of tasks drawn (dynamic sampling); devices: the rollout mesh's
+  device count; metrics: dynamic sampling's and the rollout's throughput and `time/rollout`.
+  """
+
+  step: int
+  cursor: int
+  version: int
+  traj: Any
+  episodes: list[Any]
+  task_ids: list[int]
+  key: jax.Array
+  drawn: int
+  devices: int
+  metrics: dict[str, float]
+
+
+def rollout_params(inputs: StepInputs, policy: Any) -> Any:
+  """The weights the rollout samples with: this process's copy of `policy`, in the update's
+  compute dtype (a bf16 copy of float32 weights when the run is mixed precision: half the
+  per-host copy and KV cache)."""
+  return inputs.share.local(update_lib.as_compute(policy, inputs.update.compute_dtype))
+
+
+def sample_step(inputs: StepInputs, params: Any, *, rng: Any, step: int, cursor: int,
+                max_turns: int, version: int) -> Sampled:
+  """The policy's rollouts of the step's tasks from `cursor` (more rounds with dynamic
+  sampling), sampled with `params` (`rollout_params`, of policy `version`) on `inputs`' mesh;
+  `rng` is the run's raw key data (`state.rng`)."""
+  config, spec = inputs.config, inputs.spec
   tasks = config.data.batch_tasks
   start = time.perf_counter()
   task_ids = inputs.stream.take(cursor, tasks)
-  key = state_lib.step_key(jax.device_get(state.rng), step, state_lib.ROLLOUT_STREAM)
-  replay = provenance.step_provenance(
-      config, step + 1, task_ids, key, max_turns, provenance.policy_checksum(state.policy),
-      inputs.mesh.size) if saving else None
-  # The rollout computes as the update does: a bf16 copy of float32 weights when the run is
-  # mixed precision (half the per-host copy and KV cache).
-  params = inputs.share.local(update_lib.as_compute(state.policy, inputs.update.compute_dtype))
+  key = state_lib.step_key(jax.device_get(rng), step, state_lib.ROLLOUT_STREAM)
   traj, stats = _sample(inputs, params, task_ids, max_turns, key)
   drawn, logged = 1, {}
   if spec.dynamic_sampling:  # DAPO: more rounds of tasks until the groups carry signal
@@ -207,8 +229,47 @@ def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor:
         group_size=config.data.group_size, max_extra_rounds=spec.dynamic_sampling_max_rounds,
         rewards_of=lambda t: overlong_lib.apply(t, spec.overlong, spec.overlong_penalty)[0],
         build=lambda episodes: build_trajectory(episodes, inputs.tok.pad_id))
+  seconds = time.perf_counter() - start
+  logged.update({
+      "rollout/tokens_per_s": stats["rollout/sampled_tokens"] / max(seconds, 1e-9),
+      "rollout/env_seconds": float(stats["rollout/env_seconds"]), "time/rollout": seconds})
+  return Sampled(step=step, cursor=cursor + drawn * tasks, version=version, traj=traj,
+                 episodes=stats["episodes"], task_ids=task_ids, key=key, drawn=drawn,
+                 devices=inputs.mesh.size, metrics=logged)
+
+
+def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor: int,
+             max_turns: int, saving: bool) -> StepBatch:
+  """The policy's rollouts of the next tasks, sampled by the state's own weights and scored
+  (`scored_batch`): the synchronous step."""
+  sampled = sample_step(inputs, rollout_params(inputs, state.policy), rng=state.rng,
+                        step=step, cursor=cursor, max_turns=max_turns,
+                        version=int(jax.device_get(state.step)))
+  return scored_batch(inputs, state, sampled, saving=saving, max_turns=max_turns)
+
+
+def scored_batch(inputs: StepInputs, state: state_lib.TrainState, sampled: Sampled, *,
+                 saving: bool, max_turns: int) -> StepBatch:
+  """A step's rollouts scored by the policy, the reference and the critic, with the
+  estimator's advantages: the update's batch.
+
+  The policy scores its old log-probs here only when the update cannot take them from its own
+  forward (`AlgorithmSpec.old_logprobs_from_update`); the update then logs the
+  sampler/trainer gap instead of this batch's diagnostics. Episodes sampled by older weights
+  than the state's (asynchronous rollout, train/asynchronous.py) are scored the same way: the
+  state's policy is the proximal one, and truncated importance sampling (`algo.tis_cap`)
+  weighs each token by it over the sampler's log-probs."""
+  config, spec, put = inputs.config, inputs.spec, inputs.put
+  step = sampled.step
+  # A replay regenerates round 1 of a step sampled by the checkpoint of the step before.
+  on_policy = sampled.version == int(jax.device_get(state.step))
+  replay = provenance.step_provenance(
+      config, step + 1, sampled.task_ids, sampled.key, max_turns,
+      provenance.policy_checksum(state.policy), sampled.devices
+  ) if saving and on_policy and sampled.drawn == 1 else None
+  logged = dict(sampled.metrics)
   rolled = time.perf_counter()
-  host = jax.device_get(traj)  # the whole batch, on every process
+  host = jax.device_get(sampled.traj)  # the whole batch, on every process
   trained, turn_rows = _trained_rows(inputs, host)
   tokens, valid, mask = put(trained.tokens), put(trained.valid), put(trained.loss_mask)
   to_episodes, to_rows = _layouts(turn_rows, put, host.tokens.shape)
@@ -253,23 +314,18 @@ def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor:
       | ({} if spec.old_logprobs_from_update else {"old_logprobs": old_lp})
       | ({"reward_kl": reward_kl} if spec.kl_in_reward else {})
       | ({"values": old_values, "returns": returns} if spec.use_critic else {}))
-  logged.update(metrics_lib.episode_metrics(host, stats["episodes"]))
+  logged.update(metrics_lib.episode_metrics(host, sampled.episodes))
   logged.update(_batch_diagnostics(host, fetched, spec=spec))
   logged["overlong/fraction"] = float(np.mean(overlong))
   if spec.overlong != "none":
     name = {"filter": "filtered", "penalty": "penalised"}[spec.overlong]
     logged[f"overlong/{name}"] = logged["overlong/fraction"]
-  logged.update({
-      "rollout/tokens_per_s": stats["rollout/sampled_tokens"] / max(rolled - start, 1e-9),
-      "rollout/env_seconds": float(stats["rollout/env_seconds"]),
-      "time/rollout": rolled - start, "time/score": scored - rolled,
-      "time/advantages": advantaged - scored})
+  logged.update({"time/score": scored - rolled, "time/advantages": advantaged - scored})
   per_token = ({"advantages": fetched["adv"]}
                | ({"values": fetched["values"]} if spec.use_critic else {})) if saving else {}
-  return StepBatch(batch=batch, host=host, episodes=stats["episodes"],
-                   cursor=cursor + drawn * tasks, trained_tokens=int(np.sum(trained.valid)),
-                   metrics=logged, per_token=per_token,
-                   replay=replay if drawn == 1 else None)  # a replay regenerates round 1 only
+  return StepBatch(batch=batch, host=host, episodes=sampled.episodes, cursor=sampled.cursor,
+                   trained_tokens=int(np.sum(trained.valid)), metrics=logged,
+                   per_token=per_token, replay=replay)
 
 
 def _masked_stats(prefix: str, x: np.ndarray, mask: np.ndarray) -> dict[str, float]:

@@ -213,6 +213,13 @@ def base_config() -> ml_collections.ConfigDict:
   # turns, one decoding while the other's environments step (same samples as lock-step; for
   # slow environments: JVMs, browsers, remote servers).
   c.rollout.overlap_env = False
+  # Asynchronous rollout (docs/async.md): k > 0 lets a rollout thread sample step i with the
+  # weights of update i - k while the trainer updates, so neither waits for the other; needs
+  # algo.tis_cap > 0 to correct for the lag. 0: the synchronous loop (sample, then update).
+  c.rollout.max_staleness = 0
+  # Devices of the rollout's own mesh (the last n of the host's; the trainer keeps the rest),
+  # which get the weights device to device after every update. 0: the trainer's mesh.
+  c.rollout.devices = 0
 
   # ----- turn-limit schedule (ScalingInter-RL) ------------------------------------------------
   c.schedule = ml_collections.ConfigDict()

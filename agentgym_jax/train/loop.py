@@ -45,6 +45,7 @@ from agentgym_jax import policies
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import algorithm, schedule
 from agentgym_jax.rollout import RolloutSettings, envs
+from agentgym_jax.train import asynchronous
 from agentgym_jax.train import batches, checkpoints, data, metrics as metrics_lib, provenance
 from agentgym_jax.train import sources
 from agentgym_jax.train import state as state_lib
@@ -86,7 +87,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   ##############################################################################################
   #                                            Mesh                                            #
   ##############################################################################################
-  mesh = sharding_lib.make_mesh(config.mesh)
+  # Asynchronous rollout (train/asynchronous.py) may roll out on devices of its own.
+  async_settings = asynchronous.AsyncSettings.from_config(config)
+  train_devices, rollout_devices = asynchronous.device_groups(async_settings)
+  mesh = sharding_lib.make_mesh(config.mesh, devices=train_devices)
   # This process's devices: where it rolls out its rows of each batch (the mesh, on one host).
   share = multihost.process_share(mesh)
   batches.check_layout(config, mesh)
@@ -149,6 +153,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
           compute_dtype=update_cfg.compute_dtype),
       advantages=algorithm.make_advantage_fn(spec))
   make_batch = batches.bc_batch if config.mode == "bc" else batches.rl_batch
+  rollouts = None  # the rollout thread of an asynchronous run
+  if async_settings.enabled:
+    rollouts = asynchronous.AsyncRollout(config, async_settings, inputs, state,
+                                         first_step=start_step, cursor=cursor,
+                                         rollout_devices=rollout_devices)
+    make_batch = rollouts.batch
 
   def meta_at(cursor: int) -> dict[str, Any]:
     return {"data_cursor": cursor, "tokenizer": config.tokenizer.spec, "env": config.env.name}
@@ -193,6 +203,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       cursor = got.cursor
       clock.append(time.perf_counter())
       state, update_metrics = update_step(state, got.batch)
+      if rollouts:
+        rollouts.publish(state)
       update_metrics = jax.device_get(update_metrics)
       clock.append(time.perf_counter())
 
@@ -231,6 +243,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   finally:
     # A crash must not lose a checkpoint that is still being written.
     progress.close()
+    if rollouts:
+      rollouts.close()
     ckpt.close()
     pool.close()
     if writer:

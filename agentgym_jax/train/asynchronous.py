@@ -1,0 +1,282 @@
+"""Asynchronous rollout with a staleness bound: the environments and the decoding do not wait
+for the update (docs/async.md).
+
+With `rollout.max_staleness = k > 0`, or a device group of its own (`rollout.devices = n > 0`),
+a rollout thread samples the steps' episodes while the main thread scores and updates:
+
+  rollout thread:  step i sampled with the weights of version max(i - k, v0)  -> queue (k slots)
+  main thread:     step i from the queue, scored, updated (version i -> i + 1), published
+
+A policy version is the number of updates its weights have had (`state.step`); v0 is the
+version the run started or resumed from. Step i's episodes are sampled by version
+max(i - k, v0) and trained by version i: at most k updates stale (the bound), exactly k once
+the run is k steps past v0. A fixed lag, not "the newest weights": the rollout thread starts
+step i at the same moment either way (when version i - k is out), and a version fixed by the
+step makes a run a function of its config, not of the threads' timing. With k = 0 the thread
+waits for each update, which is the synchronous loop's order, value for value.
+
+The correction for the lag is the synchronous loop's: the batch is scored by the trainer's
+current policy (the proximal policy of decoupled PPO, AReaL arXiv 2505.24298) and truncated
+importance sampling weighs each token by min(pi_prox / pi_sampler, algo.tis_cap) with the
+sampler's own log-probs (`losses.tis_weights`), so k > 0 needs `algo.tis_cap > 0`.
+
+Devices: with `rollout.devices = n`, the last n devices of the host roll out on their own mesh
+(`config.mesh`'s axes over them) and the others train; after each update the trainer publishes
+its weights to them with a device-to-device `jax.device_put` onto the same partition specs on
+the rollout mesh, tagged with the new version (no file). With n = 0 both share the trainer's
+mesh and the published weights are a copy (the update donates its state's buffers).
+
+Failures: each step's episodes come from `batches.sample_step`, as in the synchronous loop, so
+failed episodes (a crashed, raising or hung worker: `env.timeout_s`) train nothing and stay out
+of the group baselines, and the loop's `env.max_failed_steps` stop applies. The rollout thread
+has its own environment pool (evaluation keeps the trainer's). An error in the thread reaches
+the main thread after the batches it finished before it: those are trained first.
+
+Resume: the checkpoint holds the version it was saved at and the task cursor after the steps it
+trained; batches sampled but not trained are sampled again after a resume, with the resumed
+weights (v0). At k = 0 a resumed run is therefore bit-exact with an uninterrupted one; at
+k > 0 its first k steps after the resume sample with fresher weights than the uninterrupted
+run's (staleness 0, 1, ..., k - 1), and the two runs differ from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from agentgym_jax import multihost
+from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.rl import schedule
+from agentgym_jax.rollout import envs
+from agentgym_jax.rollout.batch import replica_meshes
+from agentgym_jax.train import batches
+from agentgym_jax.train import state as state_lib
+
+# How often a blocked thread looks whether the run is closing (seconds).
+_POLL_S = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSettings:
+  """`rollout.max_staleness` (k) and `rollout.devices` (the rollout group's device count)."""
+
+  max_staleness: int = 0
+  rollout_devices: int = 0
+
+  @property
+  def enabled(self) -> bool:
+    """Whether a rollout thread samples the steps (else the synchronous loop does)."""
+    return self.max_staleness > 0 or self.rollout_devices > 0
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> AsyncSettings:
+    """The run's settings, checked against the rest of its config (one-line errors)."""
+    k, n = config.rollout.max_staleness, config.rollout.devices
+    if k < 0 or n < 0:
+      raise ValueError(f"rollout.max_staleness={k} and rollout.devices={n} must be >= 0.")
+    settings = cls(max_staleness=int(k), rollout_devices=int(n))
+    if not settings.enabled:
+      return settings
+    if config.mode != "rl":
+      raise ValueError(f"rollout.max_staleness / rollout.devices apply to mode='rl' only "
+                       f"(mode={config.mode!r} samples nothing); set them to 0.")
+    if k > 0 and config.algo.tis_cap <= 0:
+      raise ValueError(f"rollout.max_staleness={k} trains on episodes sampled by weights up to "
+                       f"{k} updates old: set algo.tis_cap > 0 (e.g. 2.0) so truncated "
+                       "importance sampling corrects for them.")
+    if jax.process_count() > 1:
+      raise ValueError("Asynchronous rollout runs on one host only for now; set "
+                       "rollout.max_staleness=0 and rollout.devices=0 on several processes.")
+    if n >= jax.device_count():
+      raise ValueError(f"rollout.devices={n} leaves none of the {jax.device_count()} devices "
+                       "to train; use fewer (or 0 to share the trainer's mesh).")
+    return settings
+
+
+def device_groups(settings: AsyncSettings) -> tuple[list[Any] | None, list[Any] | None]:
+  """(the trainer's devices, the rollout's): the last `rollout_devices` devices roll out;
+  (None, None) when they share all devices (`make_mesh`'s default)."""
+  if settings.rollout_devices == 0:
+    return None, None
+  devices = jax.devices()
+  return devices[:-settings.rollout_devices], devices[-settings.rollout_devices:]
+
+
+class WeightBoard:
+  """The policy weights published for the rollout, by version, on the rollout mesh.
+
+  `publish` puts a version's weights on the rollout's devices (a device-to-device copy onto
+  the same partition specs there); `take(v)` waits for version v and forgets the older ones
+  (the rollout never goes back to them)."""
+
+  def __init__(self, mesh: Mesh):
+    self.mesh = mesh
+    self._weights: dict[int, Any] = {}
+    self._changed = threading.Condition()
+    self._closed = False
+
+  def publish(self, version: int, params: Any) -> None:
+    """Copies `params` (arrays sharded on the trainer's mesh) to the rollout mesh as `version`.
+
+    Always a copy (`may_alias=False`): the update donates the buffers of the state it reads."""
+    moved = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(self.mesh, x.sharding.spec), may_alias=False),
+        params)
+    jax.block_until_ready(moved)
+    with self._changed:
+      self._weights[version] = moved
+      self._changed.notify_all()
+
+  def take(self, version: int) -> Any | None:
+    """Version `version`'s weights once published (None once the board is closed)."""
+    with self._changed:
+      while version not in self._weights and not self._closed:
+        self._changed.wait(_POLL_S)
+      if self._closed:
+        return None
+      for old in [v for v in self._weights if v < version]:
+        del self._weights[old]
+      return self._weights[version]
+
+  def versions(self) -> list[int]:
+    with self._changed:
+      return sorted(self._weights)
+
+  def close(self) -> None:
+    with self._changed:
+      self._closed = True
+      self._weights.clear()
+      self._changed.notify_all()
+
+
+class RolloutFailed(RuntimeError):
+  """The rollout thread stopped on an error (the cause is chained); the batches it finished
+  before were trained."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+  error: BaseException
+
+
+class AsyncRollout:
+  """The rollout thread of a run, and the main thread's side of it: `batch` (the loop's
+  `make_batch`) takes the next finished step from the queue and scores it, `publish` hands
+  the updated weights to the rollout, `close` stops the thread and its environments.
+
+  `inputs` are the trainer's (`batches.StepInputs`); the thread samples with a copy on the
+  rollout mesh and its own environment pool. The thread samples steps `first_step` to
+  `config.total_steps - 1` from task `cursor` on, each with the weights of
+  `max(step - k, first_step)`, and keeps at most max(k, 1) finished steps queued."""
+
+  def __init__(self, config: ml_collections.ConfigDict, settings: AsyncSettings,
+               inputs: batches.StepInputs, state: state_lib.TrainState, *, first_step: int,
+               cursor: int, rollout_devices: list[Any] | None):
+    self.config, self.settings, self.inputs = config, settings, inputs
+    mesh = (inputs.mesh if rollout_devices is None
+            else sharding_lib.make_mesh(config.mesh, devices=rollout_devices))
+    try:
+      replica_meshes(mesh, config.rollout.replicas)
+    except ValueError as exc:
+      raise ValueError(f"rollout.replicas on the rollout devices: {exc}") from exc
+    self.pool = envs.make_pool(config)
+    self.rollout_inputs = dataclasses.replace(inputs, mesh=mesh, pool=self.pool,
+                                              share=multihost.process_share(mesh))
+    self.board = WeightBoard(mesh)
+    self.first_step = first_step
+    self._rng = np.asarray(jax.device_get(state.rng))  # the state's buffers are donated
+    self._queue: queue.Queue = queue.Queue(maxsize=max(settings.max_staleness, 1))
+    self._stop = threading.Event()
+    self.publish(state)
+    self._thread = threading.Thread(target=self._run, args=(cursor,), name="rollout",
+                                    daemon=True)
+    self._thread.start()
+
+  def version_for(self, step: int) -> int:
+    """The policy version that samples step `step`: `max_staleness` updates before it, never
+    before the run's first step."""
+    return max(step - self.settings.max_staleness, self.first_step)
+
+  def publish(self, state: state_lib.TrainState) -> None:
+    """The state's policy, in the rollout's compute dtype, as version `state.step`."""
+    self.board.publish(int(jax.device_get(state.step)),
+                       batches.rollout_params(self.inputs, state.policy))
+
+  def _run(self, cursor: int) -> None:
+    try:
+      for step in range(self.first_step, self.config.total_steps):
+        version = self.version_for(step)
+        params = self.board.take(version)
+        if params is None:  # closed
+          return
+        sampled = batches.sample_step(
+            self.rollout_inputs, params, rng=self._rng, step=step, cursor=cursor,
+            max_turns=schedule.max_turns(self.config.schedule, step), version=version)
+        cursor = sampled.cursor
+        if not self._put(sampled):
+          return
+    except BaseException as exc:  # pylint: disable=broad-except
+      # Handed to the main thread, behind the batches finished before it.
+      self._put(_Failure(exc))
+
+  def _put(self, item: Any) -> bool:
+    """Queues `item`, waiting for a free slot; False if the run closed meanwhile."""
+    while not self._stop.is_set():
+      try:
+        self._queue.put(item, timeout=_POLL_S)
+        return True
+      except queue.Full:
+        continue
+    return False
+
+  def _next(self) -> batches.Sampled:
+    while True:
+      try:
+        item = self._queue.get(timeout=_POLL_S)
+        break
+      except queue.Empty:
+        if not self._thread.is_alive() and self._queue.empty():
+          raise RolloutFailed("The rollout thread ended without the next step's batch.")
+    if isinstance(item, _Failure):
+      raise RolloutFailed(f"The rollout thread stopped: {type(item.error).__name__}: "
+                          f"{item.error}") from item.error
+    return item
+
+  def batch(self, inputs: batches.StepInputs, state: state_lib.TrainState, step: int,
+            cursor: int, max_turns: int, saving: bool) -> batches.StepBatch:
+    """Step `step`'s batch (the loop's `make_batch`): the thread's next finished step, scored
+    by `state`. Adds async/ metrics: the sampler's version, its staleness and the seconds the
+    trainer waited for the batch."""
+    start = time.perf_counter()
+    sampled = self._next()
+    waited = time.perf_counter() - start
+    trained_by = int(jax.device_get(state.step))
+    staleness = trained_by - sampled.version
+    first_task = sampled.cursor - sampled.drawn * inputs.config.data.batch_tasks
+    if ((sampled.step, first_task) != (step, cursor)
+        or not 0 <= staleness <= self.settings.max_staleness):
+      raise RuntimeError(f"The rollout thread's batch is step {sampled.step} from task "
+                         f"{first_task} sampled by version {sampled.version}, the trainer "
+                         f"is at step {step} (version {trained_by}), task {cursor}: a bug in "
+                         "train/asynchronous.py.")
+    got = batches.scored_batch(inputs, state, sampled, saving=saving, max_turns=max_turns)
+    for episode in got.episodes:
+      episode.policy_version = sampled.version
+    got.metrics.update({"async/policy_version": float(sampled.version),
+                        "async/staleness": float(staleness), "time/rollout_wait": waited})
+    return got
+
+  def close(self) -> None:
+    """Stops the thread (it finishes the rollout it is in) and its environment pool."""
+    self._stop.set()
+    self.board.close()
+    self._thread.join()
+    self.pool.close()
