@@ -1,4 +1,5 @@
-"""A static HTML view of a run: training curves, evaluation tables and the episodes.
+"""A static HTML view of a run: training curves, evaluation tables and the episodes; or of a
+sweep: its runs' curves, mean and band per group of seeds, and each run's own site.
 
   python -m agentgym_jax.viewer WORKDIR [--out DIR]
 
@@ -8,6 +9,11 @@ saved during training, `log.trajectories_every`) and, anywhere below WORKDIR, th
 `python -m agentgym_jax.evaluate`: eval_<split>.json reports and episodes_<split>.jsonl.
 Writes into DIR (default WORKDIR/viewer) index.html (the run page), one page per episode
 file and the stylesheet and script they share; the pages open from disk, with no server.
+
+A WORKDIR without metrics.jsonl whose sub-directories have one is a sweep's base workdir
+(`launch/sweep.py`: one run per point): DIR/index.html is then the sweep page, whose charts
+draw per group of runs that differ only by seed (`sweeps.group_name`) their mean at each step
+and the band of their range, and DIR/<run>/ holds each run's site.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import re
 import shutil
 from typing import Any
 
+from agentgym_jax import sweeps
 from agentgym_jax.train import metrics as metrics_lib
 from agentgym_jax.train import trajectories
 from agentgym_jax.viewer import charts, pages
@@ -82,6 +89,9 @@ def build(workdir: str, out: str | None = None) -> str:
     raise FileNotFoundError(f"{workdir!r} is not a directory: pass a training workdir or an "
                             "evaluation --output directory.")
   out = out or os.path.join(workdir, VIEWER_DIR)
+  runs = sweeps.runs_in(workdir, metrics_lib.METRICS_FILE)
+  if runs and runs != [workdir]:
+    return _build_sweep(workdir, runs, out)
   os.makedirs(out, exist_ok=True)
   for name in ("viewer.css", "viewer.js"):
     shutil.copy(os.path.join(STATIC, name), os.path.join(out, name))
@@ -106,4 +116,26 @@ def build(workdir: str, out: str | None = None) -> str:
   with open(index, "w") as f:
     f.write(pages.run_page(os.path.abspath(workdir), _facts(workdir), charts.curves(records),
                            [r for r in records if "eval/success_rate" in r], reports, listed))
+  return index
+
+
+def _build_sweep(workdir: str, runs: list[str], out: str) -> str:
+  """Writes each run's site into out/<run> and the sweep page; returns its index.html."""
+  groups: dict[str, list[list[dict[str, Any]]]] = {}
+  listed = []
+  for run in runs:
+    name = os.path.basename(run)
+    build(run, os.path.join(out, name))
+    records = metrics_lib.read_metrics(run)
+    group = sweeps.group_name(name) or os.path.basename(os.path.abspath(workdir))
+    groups.setdefault(group, []).append(records)
+    evals = [r["eval/success_rate"] for r in records if "eval/success_rate" in r]
+    listed.append({"group": group, "name": name, "href": f"{name}/index.html",
+                   "steps": max((r["step"] for r in records), default=0),
+                   "eval": evals[-1] if evals else ""})
+  for name in ("viewer.css", "viewer.js"):
+    shutil.copy(os.path.join(STATIC, name), os.path.join(out, name))
+  index = os.path.join(out, "index.html")
+  with open(index, "w") as f:
+    f.write(pages.sweep_page(os.path.abspath(workdir), charts.sweep_curves(groups), listed))
   return index

@@ -2,13 +2,19 @@
 
 `curves(records)` turns the lines of metrics.jsonl into one chart per entry of `CURVES` that
 has data: each chart plots metric value against step, one polyline per metric.
+`sweep_curves(groups)` draws a sweep: one chart per metric of `CURVES`, one line per group of
+runs (the seeds of one sweep point), its mean over the runs at each step with a band from
+their lowest to their highest value.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 # (chart title, metrics drawn in it); a metric absent from the run is left out.
 CURVES: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -30,12 +36,21 @@ def _fmt(x: float) -> str:
   return f"{x:.3g}"
 
 
-def line_chart(title: str, series: Sequence[tuple[str, Sequence[float], Sequence[float]]]
-               ) -> str:
-  """An SVG chart of `series`, each (label, steps, values) of equal lengths (>= 1 point),
-  with its legend below the x axis."""
-  xs = [x for _, sx, _ in series for x in sx]
-  ys = [y for _, _, sy in series for y in sy]
+@dataclasses.dataclass(frozen=True)
+class Series:
+  """One line of a chart: `values` at `steps` (equal lengths, >= 1 point) and, for a group of
+  runs, the band from `low` to `high` around it (same lengths)."""
+  label: str
+  steps: Sequence[float]
+  values: Sequence[float]
+  low: Sequence[float] | None = None
+  high: Sequence[float] | None = None
+
+
+def line_chart(title: str, series: Sequence[Series]) -> str:
+  """An SVG chart of `series`, bands under their lines, with its legend below the x axis."""
+  xs = [x for s in series for x in s.steps]
+  ys = [y for s in series for y in (*s.values, *(s.low or ()), *(s.high or ()))]
   x0, x1 = min(xs), max(xs)
   y0, y1 = min(ys), max(ys)
   if x1 == x0:
@@ -58,9 +73,15 @@ def line_chart(title: str, series: Sequence[tuple[str, Sequence[float], Sequence
            f'<text x="{LEFT}" y="{bottom + 14}">{_fmt(x0)}</text>',
            f'<text x="{right}" y="{bottom + 14}" text-anchor="end">{_fmt(x1)}</text>',
            f'<text x="{LEFT + PLOT_W / 2}" y="{bottom + 14}" text-anchor="middle">step</text>']
-  for i, (label, sx, sy) in enumerate(series):
-    colour = COLOURS[i % len(COLOURS)]
-    points = [point(x, y) for x, y in zip(sx, sy)]
+  for i, s in enumerate(series):
+    colour, label = COLOURS[i % len(COLOURS)], s.label
+    if s.low is not None:  # the band: along its top edge, then back along its bottom
+      edge = ([point(x, y) for x, y in zip(s.steps, s.high)]
+              + [point(x, y) for x, y in zip(reversed(s.steps), reversed(s.low))])
+      parts.append(f'<polygon class="band" data-metric="{html.escape(label)}" points="'
+                   + " ".join(f"{px:.1f},{py:.1f}" for px, py in edge)
+                   + f'" fill="{colour}"/>')
+    points = [point(x, y) for x, y in zip(s.steps, s.values)]
     parts.append(f'<polyline class="series" data-metric="{html.escape(label)}" points="'
                  + " ".join(f"{px:.1f},{py:.1f}" for px, py in points)
                  + f'" stroke="{colour}"/>')
@@ -81,7 +102,36 @@ def curves(records: Sequence[dict[str, Any]]) -> list[str]:
     for name in names:
       points = [(r["step"], r[name]) for r in records if name in r]
       if points:
-        series.append((name, [p[0] for p in points], [p[1] for p in points]))
+        series.append(Series(name, [p[0] for p in points], [p[1] for p in points]))
     if series:
       charts.append(line_chart(title, series))
+  return charts
+
+
+def mean_and_band(runs: Sequence[Sequence[dict[str, Any]]], name: str) -> Series | None:
+  """Metric `name` over a group of runs (each its metrics.jsonl lines): at every step that all
+  of them logged, the runs' mean (values), lowest (low) and highest (high). None when no step
+  has it in every run."""
+  logged = [{r["step"]: r[name] for r in records if name in r} for records in runs]
+  steps = sorted(set.intersection(*(set(by_step) for by_step in logged))) if logged else []
+  if not steps:
+    return None
+  values = np.array([[by_step[s] for s in steps] for by_step in logged], float)
+  return Series(name, steps, values.mean(0).tolist(), values.min(0).tolist(),
+                values.max(0).tolist())
+
+
+def sweep_curves(groups: Mapping[str, Sequence[Sequence[dict[str, Any]]]]) -> list[str]:
+  """One SVG chart per metric of CURVES that some group has: per group (label -> its runs'
+  metrics.jsonl lines) the runs' mean at each step and the band of their range."""
+  charts = []
+  for title, names in CURVES:
+    for name in names:
+      series = []
+      for label, runs in groups.items():
+        group = mean_and_band(runs, name)
+        if group is not None:
+          series.append(dataclasses.replace(group, label=f"{label} ({len(runs)})"))
+      if series:
+        charts.append(line_chart(f"{title}: {name}" if len(names) > 1 else title, series))
   return charts

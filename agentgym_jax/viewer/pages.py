@@ -1,4 +1,5 @@
-"""HTML of the viewer's pages: the run page and one trajectory page per episode file.
+"""HTML of the viewer's pages: the run page, one trajectory page per episode file, and the
+page of a sweep (its runs' curves as mean and band, links to each run's page).
 
 Pages are static: every episode is rendered here, and the page's script (static/viewer.js)
 only hides the episodes that the filters exclude. Agent tokens are coloured by advantage
@@ -82,6 +83,31 @@ def run_page(name: str, facts: dict[str, Any], charts: Sequence[str],
   else:
     parts.append("<p>No saved episodes (trajectories/step_N.jsonl or episodes_*.jsonl).</p>")
   return page(f"Run {name}", "\n".join(parts))
+
+
+def sweep_page(name: str, charts: Sequence[str], runs: Sequence[dict[str, Any]]) -> str:
+  """The page of a sweep: its curves per group of seeds, and a link to each run's own page.
+
+  Args:
+    name: the sweep's base workdir.
+    charts: SVG charts (`charts.sweep_curves`).
+    runs: {"group", "name", "href", "steps", "eval"} per run (eval: its last held-out success,
+      or "").
+  """
+  parts = [f"<h1>Sweep {html.escape(name)}</h1>",
+           "<h2>Training curves</h2>",
+           "<p>One line per group of runs that differ only by seed (their number in brackets): "
+           "the runs' mean at each step all of them logged; the band spans their lowest to their "
+           "highest value. <code>python -m agentgym_jax.report</code> gives held-out success "
+           "with intervals.</p>",
+           '<div class="charts">' + "\n".join(charts) + "</div>",
+           "<h2>Runs</h2>",
+           table(["group", "run", "steps", "last held-out success"],
+                 [[r["group"], r["name"], r["steps"], r["eval"]] for r in runs], "runs")]
+  links = "".join(f'<li><a href="{html.escape(r["href"])}">{html.escape(r["name"])}</a></li>'
+                  for r in runs)
+  parts.append(f'<ul class="runs">{links}</ul>')
+  return page(f"Sweep {name}", "\n".join(parts))
 
 
 # ----- trajectory pages -------------------------------------------------------------------------
