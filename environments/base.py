@@ -2,9 +2,10 @@
 
 An environment is a `gymnasium.Env` whose observations and actions are strings. The episode
 runner (in `agentgym_jax.rollout`) only ever talks to this interface, through the worker pool
-or over HTTP, so a new environment is one subclass plus one line in `environments.REGISTRY`.
+or over HTTP, so a new environment is one subclass (in its own package) plus one
+`environments.register(...)` line.
 
-Contract (see DESIGN.md):
+Contract (see docs/design.md):
   reset(seed=None, options={"task_id": N}) -> (observation, info)   info["instruction"], ["task_id"]
   step(action) -> (observation, reward, terminated, truncated, info)  info["success"], ["score"]
 

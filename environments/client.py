@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 from typing import Any
 
 import requests
@@ -32,16 +31,6 @@ import environments
 from environments import protocol as protocol_lib
 from environments.base import (MULTIPLE_ACTIONS, MULTIPLE_ACTIONS_OBSERVATION, TextEnv,
                                react_response)
-
-_WEBARENA_INSTRUCTION = (
-    "You are an autonomous agent operating a web browser to complete a web-based task. Each "
-    "observation shows the objective, the page's accessibility tree, its URL and the open tabs. "
-    "Think step by step, then give exactly one action inside triple backticks, e.g. "
-    "```click [42]```, ```type [17] [text] [1]```, ```scroll [down]```, ```goto [url]``` or "
-    "```stop [answer]``` when the task is done (answer N/A if it cannot be done).")
-_WEBARENA_NO_ACTION = ("Cannot parse action from response. Your action should be inside "
-                       "triple backticks (```). Please adjust accordingly.")
-
 
 class RemoteEnvError(RuntimeError):
   """The server could not be reached, or answered with an error."""
@@ -63,13 +52,14 @@ class RemoteEnv(TextEnv):
   """A `TextEnv` over AgentGym's HTTP protocol.
 
   `RemoteEnv(url, env_name)` builds an instance of `remote_class(env_name)`, whose parser,
-  formatter and instruction are the local environment's (WebArena: the raw response is sent,
-  its server parses the triple-backtick action, as with AgentGym's client). The class itself
-  (`environments.env_class("remote")`) parses generic ReAct responses.
+  formatter and instruction are those of the class `env_name` is registered with (WebArena's:
+  the raw response is sent, its server parses the triple-backtick action, as with AgentGym's
+  client). The class itself (`environments.env_class("remote")`) parses generic ReAct
+  responses.
 
   Args:
     url: the server's base URL, e.g. "http://127.0.0.1:36005".
-    env_name: which protocol to speak: a key of `environments.protocol.PROTOCOLS`.
+    env_name: the served environment, registered with a protocol (`environments.protocol_of`).
     reward_mode: "normalized" or "paper" (see the module docstring).
     timeout_s: limit on each HTTP request.
     retries: how often a failed connection is retried, with exponential backoff (the
@@ -178,8 +168,9 @@ class RemoteEnv(TextEnv):
     if not self.extensions and action == MULTIPLE_ACTIONS:
       return (MULTIPLE_ACTIONS_OBSERVATION, 0.0, False, False,
               {"success": self._last_success, "score": self._last_raw})
-    if self.env_name == "webarena" and not re.search(r"```(.*?)```", action, re.DOTALL):
-      return (_WEBARENA_NO_ACTION, 0.0, False, False,
+    local_answer = self.protocol.answer_locally(action)
+    if local_answer is not None:
+      return (local_answer, 0.0, False, False,
               {"success": self._last_success, "score": self._last_raw})
     response = self._request("POST", "/step", self.protocol.step_body(self.instance_id, action))
     reply = self.protocol.read_step(response)
@@ -231,15 +222,6 @@ class RemoteEnv(TextEnv):
     return react_response(action, "I act." if thought else None)
 
 
-def _webarena_action(response: str) -> str:
-  # WebArena's server extracts the ``` action itself from the full response.
-  return response
-
-
-def _webarena_format(action: str, thought: bool = True) -> str:  # pylint: disable=unused-argument
-  return f"In summary, the next action I will perform is ```{action}```"
-
-
 @functools.cache
 def _categories(env_name: str) -> dict[int, str]:
   """Task id -> category of the served environment (none for one without a split file)."""
@@ -251,17 +233,14 @@ def _categories(env_name: str) -> dict[int, str]:
 
 @functools.cache
 def remote_class(env_name: str) -> type[RemoteEnv]:
-  """The `RemoteEnv` subclass for `env_name`, with that environment's parser and prompt."""
-  proto = protocol_lib.protocol(env_name)
-  attrs: dict[str, Any] = {"name": env_name, "protocol": proto, "__module__": __name__}
-  if env_name in environments.REGISTRY and env_name != "remote":
-    local = environments.env_class(env_name)
-    attrs.update(instruction=local.instruction, acknowledgement=local.acknowledgement,
-                 parse_action=staticmethod(local.parse_action),
-                 format_action=staticmethod(local.format_action))
-  elif env_name == "webarena":
-    attrs.update(instruction=_WEBARENA_INSTRUCTION, acknowledgement="Ok.",
-                 parse_action=staticmethod(_webarena_action),
-                 format_action=staticmethod(_webarena_format))
+  """The `RemoteEnv` subclass for `env_name`, with the parser and prompt of the class it is
+  registered with."""
+  proto = environments.protocol_of(env_name)
+  served = environments.REGISTRY[env_name].load()
+  attrs: dict[str, Any] = {
+      "name": env_name, "protocol": proto, "__module__": __name__,
+      "instruction": served.instruction, "acknowledgement": served.acknowledgement,
+      "parse_action": staticmethod(served.parse_action),
+      "format_action": staticmethod(served.format_action)}
   class_name = "Remote" + "".join(part.capitalize() for part in env_name.split("_"))
   return type(class_name, (RemoteEnv,), attrs)

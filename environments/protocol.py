@@ -18,14 +18,19 @@ Where a `score` field exists it is the cumulative raw score and `reward` is its 
 the last step; AgentGym's clients report `score` as the step reward (BabyAI, SciWorld), else
 `reward`. WebArena's reward counts only when `terminated`.
 
-One `Protocol` object per environment builds the server's answers (`environments.server`) and
-reads them back (`environments.client`), so the two directions cannot drift apart.
+One `Protocol` object per environment, given where the environment is registered
+(`environments.register`), builds the server's answers (`environments.server`) and reads them
+back (`environments.client`), so the two directions cannot drift apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
+
+# The values of `Protocol.create_resets_to`.
+CREATE_RESETS = (None, "own_id", "body")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,18 +48,28 @@ class Protocol:
   """The field names and answer shapes of one environment's AgentGym server.
 
   Attributes:
-    name: the environment's name in `environments.REGISTRY` (or "webarena").
+    name: the environment's name in `environments.REGISTRY`, set by `environments.register`.
     id_key: the key that carries the instance id in requests ("id" or "env_idx").
     reset_key: the key that carries the task id in the /reset body.
     score_field: "score" when /step reports a cumulative score beside a per-step reward.
     reward_scale: the raw reward of a fully solved task (SciWorld scores run to 100).
+    create_resets_to: the task upstream's server resets a new instance to on /create: None
+      (none; the client resets it), "own_id" (the task whose id is the instance's: TextCraft,
+      whose client reads the observation from the /create answer) or "body" (the task that
+      the /create body names under `reset_key`, when it names one: SearchQA preloads it).
   """
 
-  name: str
+  name: str = ""
   id_key: str = "id"
   reset_key: str = "data_idx"
   score_field: str | None = None
   reward_scale: float = 1.0
+  create_resets_to: str | None = None
+
+  def __post_init__(self):
+    if self.create_resets_to not in CREATE_RESETS:
+      raise ValueError(f"create_resets_to must be one of {CREATE_RESETS}, got "
+                       f"{self.create_resets_to!r}.")
 
   # ----- requests (client side) --------------------------------------------------------------
 
@@ -111,6 +126,11 @@ class Protocol:
   def close_response(self) -> Any:
     return True
 
+  def answer_locally(self, action: str) -> str | None:
+    """The observation AgentGym's client answers `action` with itself, without a request to
+    the server; None sends the action."""
+    return None
+
   # ----- rewards -----------------------------------------------------------------------------
 
   def normalize(self, raw: float) -> float:
@@ -121,7 +141,7 @@ class Protocol:
     return terminated and raw >= self.reward_scale
 
 
-class _BabyAI(Protocol):
+class BabyAI(Protocol):
 
   def reset_response(self, instance_id, observation, info):
     return {"observation": observation, "reward": 0.0, "score": 0.0, "deleted": False,
@@ -139,7 +159,7 @@ class _BabyAI(Protocol):
     return terminated and raw > 0
 
 
-class _TextCraft(Protocol):
+class TextCraft(Protocol):
 
   def create_body(self):
     # TextCraft's server declares a (nullable) body for custom recipes; without one it
@@ -154,7 +174,7 @@ class _TextCraft(Protocol):
     return {"id": instance_id, "observation": observation, "done": False, "reward": 0}
 
 
-class _SciWorld(Protocol):
+class SciWorld(Protocol):
 
   def reset_response(self, instance_id, observation, info):
     # The client rebuilds the first observation as task_description + "\n" + observation.
@@ -168,7 +188,7 @@ class _SciWorld(Protocol):
             + str(_field(response, "observation", "/reset")))
 
 
-class _SearchQA(Protocol):
+class SearchQA(Protocol):
 
   def create_body(self):
     # SearchQA's server requires an item to preload; the client resets right after anyway.
@@ -196,7 +216,7 @@ class _SearchQA(Protocol):
     return response
 
 
-class _WebArena(Protocol):
+class WebArena(Protocol):
 
   def reset_body(self, instance_id, task_id):
     return {"env_idx": instance_id, "seed": 0, "idx": task_id}
@@ -225,6 +245,14 @@ class _WebArena(Protocol):
   def close_response(self):
     return {"closed": "closed"}
 
+  def answer_locally(self, action):
+    # WebArena's server parses the ``` action out of the full response; AgentGym's client
+    # answers a response without one itself.
+    if re.search(r"```(.*?)```", action, re.DOTALL):
+      return None
+    return ("Cannot parse action from response. Your action should be inside triple backticks "
+            "(```). Please adjust accordingly.")
+
 
 class ProtocolError(ValueError):
   """An answer that does not have the shape the environment's protocol prescribes."""
@@ -234,19 +262,3 @@ def _field(response: Any, key: str, endpoint: str) -> Any:
   if not isinstance(response, dict) or key not in response:
     raise ProtocolError(f"{endpoint} answer lacks field {key!r}: {str(response)[:300]}")
   return response[key]
-
-
-PROTOCOLS: dict[str, Protocol] = {
-    "babyai": _BabyAI("babyai", score_field="score"),
-    "textcraft": _TextCraft("textcraft"),
-    "sciworld": _SciWorld("sciworld", score_field="score", reward_scale=100.0),
-    "searchqa": _SearchQA("searchqa", id_key="env_idx", reset_key="id"),
-    "webarena": _WebArena("webarena", id_key="env_idx", reset_key="idx"),
-}
-
-
-def protocol(name: str) -> Protocol:
-  """The protocol of environment `name` (a key of `PROTOCOLS`)."""
-  if name not in PROTOCOLS:
-    raise ValueError(f"No AgentGym protocol known for {name!r}; known: {sorted(PROTOCOLS)}.")
-  return PROTOCOLS[name]

@@ -341,14 +341,10 @@ def build_app(service: EnvService) -> fastapi.FastAPI:
       if reward_mode not in REWARD_MODES:
         raise RequestError(400, f"/create: reward_mode must be one of {REWARD_MODES}, got "
                                 f"{reward_mode!r}.")
-    task_id, own_id = None, False
-    if proto.name == "textcraft":
-      # Upstream TextCraft resets a new instance to data_idx = its own id, and its client
-      # reads the observation from the /create answer.
-      own_id = True
-    elif proto.name == "searchqa" and "id" in body:
-      # Upstream SearchQA preloads the item named in the /create body.
-      task_id = _field(body, "id", "/create", int)
+    # What upstream's server resets a new instance to, if anything (Protocol.create_resets_to).
+    task_id, own_id = None, proto.create_resets_to == "own_id"
+    if proto.create_resets_to == "body" and proto.reset_key in body:
+      task_id = _field(body, proto.reset_key, "/create", int)
     return await call(service.create, task_id, own_id, reward_mode)
 
   @app.post("/reset")
@@ -447,12 +443,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--host", default="127.0.0.1",
                       help="interface to bind (default loopback only; 0.0.0.0 exposes it)")
   parser.add_argument("--protocol", default=None,
-                      help=f"field names to speak, one of {sorted(protocol_lib.PROTOCOLS)} "
+                      help="field names to speak: those of a registered environment "
                            "(default: the environment's own)")
   parser.add_argument("--strict", action="store_true",
                       help="answer as upstream does: no 'textenv' field, no /expert_action")
   args = parser.parse_args(argv)
-  proto = protocol_lib.protocol(args.protocol or args.env)
+  proto = environments.protocol_of(args.protocol or args.env)
   service = EnvService(env_factory(args.env), proto, strict=args.strict)
   uvicorn.run(build_app(service), host=args.host, port=args.port, log_level="warning",
               access_log=False)

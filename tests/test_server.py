@@ -14,11 +14,12 @@ import time
 
 import pytest
 import requests
+from fastapi import testclient
 
 import environments
 from environments import protocol as protocol_lib
 from environments.client import RemoteEnv, RemoteEnvError
-from environments.server import jsonable, running_server
+from environments.server import EnvService, build_app, jsonable, running_server
 from environments.workers import EnvPool
 
 _TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -178,6 +179,79 @@ def test_webarena_split_names_each_test_task_site():
   assert counts == {"shopping": 15, "shopping_admin": 15, "map": 10, "gitlab": 5, "reddit": 5}
 
 
+# ----- the registry: an environment is its package plus one registration ------------------
+
+
+@pytest.fixture
+def registered():
+  """register(name, cls, **kwargs) as `environments.register`, undone after the test."""
+  names = []
+
+  def register(name, cls, **kwargs):
+    environments.register(name, cls, **kwargs)
+    names.append(name)
+
+  yield register
+  for name in names:
+    environments.REGISTRY.pop(name)
+
+
+@pytest.mark.parametrize("create_resets_to, create_body, steps_without_reset", [
+    (None, None, False),             # BabyAI, SciWorld: the client resets
+    ("own_id", None, True),          # TextCraft: task = the instance's own id
+    ("body", {"data_idx": 2}, True),  # SearchQA: the task the body names under reset_key
+    ("body", None, False),           # ... and none when it names none
+])
+def test_a_registration_is_served_with_its_protocol(registered, create_resets_to, create_body,
+                                                     steps_without_reset):
+  """The server serves any registered environment by name, and what it does on /create is
+  the registration's data, not a branch on the environment's name."""
+  registered("counter", "toy_envs:CounterEnv",
+             protocol=protocol_lib.Protocol(create_resets_to=create_resets_to))
+  assert environments.protocol_of("counter").name == "counter"
+  service = EnvService(environments.env_class("counter"),
+                       environments.protocol_of("counter"))
+  with testclient.TestClient(build_app(service)) as client:
+    for expected_id in range(2):
+      instance = client.post("/create", json=create_body).json()["id"]
+      assert instance == expected_id
+      step = client.post("/step", json={"id": instance, "action": "inc"})
+      assert step.status_code == (200 if steps_without_reset else 409), step.text
+    if steps_without_reset:
+      # Task n counts to n + 1, so neither task 1 (own id) nor 2 (the body's) ended in a step.
+      assert client.get("/observation", params={"id": 1}).json() == "Count 1."
+    assert client.get("/health").json()["env"] == "counter"
+  service.close_all()
+
+
+def test_registry_refuses_and_explains(registered):
+  with pytest.raises(ValueError, match="'babyai' is already registered to "
+                                       "environments.babyai.env:BabyAIEnv"):
+    environments.register("babyai", "toy_envs:CounterEnv")
+  with pytest.raises(ValueError, match="create_resets_to must be one of"):
+    protocol_lib.Protocol(create_resets_to="instance")
+  with pytest.raises(ValueError, match=r"No AgentGym protocol known for 'keypad'; known: \["
+                                       r"'babyai', 'sciworld', 'searchqa', 'textcraft', "
+                                       r"'webarena'\]"):
+    environments.protocol_of("keypad")
+  with pytest.raises(ValueError, match="'webarena' runs only behind its AgentGym server: use "
+                                       "'remote' with env_name='webarena'"):
+    environments.make("webarena")
+  registered("counter", "toy_envs:CounterEnv")
+  assert "counter" in environments.local_names()
+  assert environments.make("counter").reset(options={"task_id": 0})[0] == "Target 1. Count 0."
+
+
+def test_every_registration_loads_and_every_protocol_has_a_remote_class():
+  for name, registration in environments.REGISTRY.items():
+    cls = registration.load()
+    assert cls.name == name or name == "remote", (name, cls)
+    if registration.protocol is not None:
+      remote = environments.env_class("remote", env_name=name)
+      assert remote.protocol is registration.protocol
+      assert (remote.instruction, remote.parse_action) == (cls.instruction, cls.parse_action)
+
+
 # ----- AgentGym's own clients ------------------------------------------------------------------
 
 
@@ -185,7 +259,7 @@ def test_webarena_split_names_each_test_task_site():
 def test_agentgym_client_calls_work(servers, name):
   """The requests AgentGym's client for `name` makes, and the fields it reads, all work."""
   url = servers(name, strict=True)
-  proto = protocol_lib.protocol(name)
+  proto = environments.protocol_of(name)
   task_id = environments.task_splits(name)["test"][0]
   post = lambda path, body=None: requests.post(url + path, json=body, timeout=30)
   if name == "searchqa":
@@ -322,7 +396,7 @@ def test_pool_of_remote_envs(toy_url):
 
 def _churn(url: str, name: str, cycles: int) -> tuple[int, int, int]:
   """create/reset/step/close `cycles` times; (RSS after warm-up, RSS at end, instances)."""
-  proto = protocol_lib.protocol(name)
+  proto = environments.protocol_of(name)
   session = requests.Session()
   rss = []
   for cycle in range(cycles):

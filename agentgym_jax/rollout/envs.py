@@ -1,12 +1,13 @@
 """The one door from the library to the environments: everything built from `config.env`.
 
-DESIGN.md's rule: `agentgym_jax` never imports a concrete environment and `environments` never
-imports JAX; they meet here. The trainer, behaviour cloning and evaluation get from this module
-the worker pool (local simulators or a remote AgentGym server, per `config.env`), the task
-splits, the name of the environment whose paper table applies, the expert's play (episodes
-for behaviour cloning, texts for a BPE tokenizer) and the constants the episode runner shares
-with the environments (`FAILURES`, the kinds of fault a pool reports; `DEFAULT_ACKNOWLEDGEMENT`,
-the agent's canned first reply); nothing else in the library imports `environments`.
+The rule of docs/design.md: `agentgym_jax` never imports a concrete environment and
+`environments` never imports JAX; they meet here. The trainer, behaviour cloning and
+evaluation get from this module the worker pool (local simulators or a remote AgentGym server,
+per `config.env`), the task splits, the name of the environment whose paper table applies, the
+expert's play (episodes for behaviour cloning, texts for a BPE tokenizer) and the constants
+the episode runner shares with the environments (`FAILURES`, the kinds of fault a pool
+reports; `DEFAULT_ACKNOWLEDGEMENT`, the agent's canned first reply); nothing else in the
+library imports `environments`.
 Nothing here imports the rest of `rollout/`: the runner, its records and the expert's
 demonstrations all import this module.
 """
@@ -39,9 +40,9 @@ def served_name(config: ml_collections.ConfigDict) -> str:
 
 def check(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError, in one line, when `config.env` names no environment we can run."""
-  if config.env.name not in environments.REGISTRY:
+  if config.env.name not in environments.local_names():
     raise ValueError(f"Unknown environment config.env.name={config.env.name!r}; set "
-                     f"--config.env.name to one of {sorted(environments.REGISTRY)}.")
+                     f"--config.env.name to one of {environments.local_names()}.")
   task_splits(config)  # a remote env that names no served environment, or an unknown one
 
 
