@@ -103,12 +103,10 @@ def env_class(name: str, env_name: str | None = None) -> type[TextEnv]:
     hint = (f" {name!r} runs only behind its AgentGym server: use 'remote' with "
             f"env_name={name!r} and the server's url." if name in REGISTRY else "")
     raise ValueError(f"Unknown environment {name!r}; known: {local_names()}.{hint}")
-  if env_name is not None:
-    if name != "remote":
-      raise ValueError(f"env_name={env_name!r} applies to 'remote' only, not {name!r}.")
-    from environments import client  # pylint: disable=import-outside-toplevel  (imports us)
-    return client.remote_class(env_name)
-  return REGISTRY[name].load()
+  if env_name is not None and name != "remote":
+    raise ValueError(f"env_name={env_name!r} applies to 'remote' only, not {name!r}.")
+  cls = REGISTRY[name].load()
+  return cls if env_name is None else cls.serving(env_name)
 
 
 def make(name: str, **kwargs) -> TextEnv:

@@ -51,7 +51,7 @@ def react_action(response: str) -> str:
 class RemoteEnv(TextEnv):
   """A `TextEnv` over AgentGym's HTTP protocol.
 
-  `RemoteEnv(url, env_name)` builds an instance of `remote_class(env_name)`, whose parser,
+  `RemoteEnv(url, env_name)` builds an instance of `RemoteEnv.serving(env_name)`, whose parser,
   formatter and instruction are those of the class `env_name` is registered with (WebArena's:
   the raw response is sent, its server parses the triple-backtick action, as with AgentGym's
   client). The class itself (`environments.env_class("remote")`) parses generic ReAct
@@ -75,8 +75,14 @@ class RemoteEnv(TextEnv):
   def __new__(cls, url: str | None = None, env_name: str | None = None, *args, **kwargs):
     del url, args, kwargs
     if cls is RemoteEnv and env_name is not None:
-      cls = remote_class(env_name)
+      cls = cls.serving(env_name)
     return super().__new__(cls)
+
+  @classmethod
+  def serving(cls, env_name: str) -> type[RemoteEnv]:
+    """The subclass for `env_name`, with the parser and prompt of the class it is registered
+    with; one per name, built once."""
+    return _served_class(env_name)
 
   def __init__(self, url: str, env_name: str, reward_mode: str = "normalized",
                timeout_s: float = 60.0, retries: int = 5, instruction: str | None = None):
@@ -232,9 +238,7 @@ def _categories(env_name: str) -> dict[int, str]:
 
 
 @functools.cache
-def remote_class(env_name: str) -> type[RemoteEnv]:
-  """The `RemoteEnv` subclass for `env_name`, with the parser and prompt of the class it is
-  registered with."""
+def _served_class(env_name: str) -> type[RemoteEnv]:
   proto = environments.protocol_of(env_name)
   served = environments.REGISTRY[env_name].load()
   attrs: dict[str, Any] = {

@@ -1,7 +1,7 @@
 """WebArena's side of the text interface: what the agent is told and how its actions look.
 
 There is no local WebArena (see the package docstring), so this is not a `TextEnv`: it is the
-instruction, acknowledgement, parser and formatter that `environments.client.remote_class`
+instruction, acknowledgement, parser and formatter that `environments.client.RemoteEnv.serving`
 gives a remote WebArena, as it gives a remote BabyAI those of `BabyAIEnv`.
 """
 
