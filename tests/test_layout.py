@@ -1,4 +1,4 @@
-"""The rules of the house that reading the imports can check (DESIGN.md): the library meets
+"""The rules of the house that reading the imports can check (docs/design.md): the library meets
 the environments in one module, and its packages and modules stand on floors, each importing
 only the floors below its own (so evaluation, below the trainer, never imports it, and no two
 of them import each other)."""

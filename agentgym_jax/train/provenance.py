@@ -80,7 +80,7 @@ def save_config(workdir: str, config: ml_collections.ConfigDict) -> str:
 
 
 def _tuples(value: Any) -> Any:
-  # JSON has lists where the config had tuples (the config's only sequences: DESIGN.md).
+  # JSON has lists where the config had tuples (the config's only sequences: docs/design.md).
   if isinstance(value, list):
     return tuple(_tuples(v) for v in value)
   if isinstance(value, dict):
