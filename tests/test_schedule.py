@@ -1,6 +1,14 @@
-"""Turn-limit schedules: fixed and ScalingInter-RL phases, resume invariance, config validation."""
+"""Turn-limit schedules: fixed and ScalingInter-RL phases, phases that end on training evidence
+(by hand), resume invariance (pure and through the trainer), config validation."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import ml_collections
+import numpy as np
 import pytest
 
 from agentgym_jax.rl import schedule
@@ -92,3 +100,150 @@ def test_invalid_configs(config, message):
 def test_invalid_step(step):
   with pytest.raises(ValueError, match="non-negative integer"):
     schedule.max_turns({"kind": "fixed", "horizons": [20]}, step)
+
+
+# ----- phases that end on evidence (schedule.advance) ----------------------------------------
+
+
+def evidence(advance, horizons=(2, 4, 6), steps_per_phase=100, **fields):
+  return {"kind": "scaling_inter", "horizons": list(horizons), "steps_per_phase": steps_per_phase,
+          "advance": advance, **fields}
+
+
+def fold(config, successes, progress=None, start=0):
+  """The turn limit of each step and the progress after the last, as the trainer folds them."""
+  progress = progress or schedule.Progress()
+  limits = []
+  for step, success in enumerate(successes, start):
+    limits.append(schedule.max_turns(config, step, progress))
+    progress = schedule.advance(config, progress, step, {"episodes/success_rate": success})
+  return limits, progress
+
+
+def test_success_rule_by_hand():
+  # window 2, threshold 0.5: after step 2 the last two (0.6, 0.5) average 0.55 -> phase 1 from
+  # step 3; its first two steps (0.9, 0.1) average 0.5 -> phase 2 from step 5; then it holds.
+  config = evidence("success", window=2, success_threshold=0.5)
+  limits, progress = fold(config, [0.2, 0.6, 0.5, 0.9, 0.1, 0.0, 0.0])
+  assert limits == [2, 2, 2, 4, 4, 6, 6]
+  assert progress == schedule.Progress(phase=2, since=5)
+
+
+def test_plateau_rule_by_hand():
+  # window 2, min_gain 0.05: the means of the last two against the two before: step 3
+  # 0.51 - 0.2, step 4 0.51 - 0.4 (rising), step 5 0.50 - 0.51 (flat) -> phase 1 from step 6.
+  config = evidence("plateau", window=2, min_gain=0.05)
+  limits, progress = fold(config, [0.1, 0.3, 0.5, 0.52, 0.5, 0.5, 0.0])
+  assert limits == [2, 2, 2, 2, 2, 2, 4]
+  assert progress == schedule.Progress(phase=1, since=6, recent=(0.0,))
+
+
+def test_evidence_rules_end_a_phase_after_steps_per_phase_at_the_latest():
+  never = evidence("success", steps_per_phase=3, window=1, success_threshold=1.0)
+  limits, _ = fold(never, [0.0] * 10)
+  assert limits == [2, 2, 2, 4, 4, 4, 6, 6, 6, 6]
+
+
+def test_folding_the_steps_rule_gives_the_phase_of_the_step():
+  # The trainer folds every schedule; under "steps" the fold must agree with step // Δ, and
+  # reads no metric (behaviour cloning has none).
+  config = scaling([3, 5, 8, 13], 7)
+  progress = schedule.Progress()
+  for step in range(60):
+    assert schedule.max_turns(config, step, progress) == schedule.max_turns(config, step)
+    assert progress.phase == schedule.phase(config, step)
+    progress = schedule.advance(config, progress, step, {})
+
+
+def test_progress_survives_a_checkpoint_exactly():
+  """12 steps straight == 5 steps, the progress through the checkpoint's JSON meta, 7 more;
+  restarting the fold from nothing instead (a resume that lost it) changes the limits."""
+  config = evidence("success", horizons=(2, 4, 6, 8), window=3, success_threshold=0.4)
+  successes = list(np.random.default_rng(0).uniform(0.0, 0.8, size=12))
+  straight, end = fold(config, successes)
+  first, saved = fold(config, successes[:5])
+  meta = json.loads(json.dumps({schedule.META_KEY: saved.to_meta()}))
+  rest, resumed_end = fold(config, successes[5:], schedule.Progress.from_meta(
+      meta[schedule.META_KEY]), start=5)
+  assert first + rest == straight and resumed_end == end
+  lost, _ = fold(config, successes[5:], schedule.Progress(), start=5)
+  assert first + lost != straight
+  assert schedule.Progress.from_meta(None) == schedule.Progress()  # a run from before
+
+
+@pytest.mark.parametrize("config,message", [
+    (evidence("sucess"), "schedule.advance must be one of"),
+    (evidence("success", window=0), "window must be a positive"),
+    (evidence("plateau", window=1.5), "window must be a positive"),
+    (evidence("success", success_threshold=1.5), r"in \[0, 1\]"),
+])
+def test_invalid_evidence_configs(config, message):
+  with pytest.raises(ValueError, match=message):
+    schedule.validate(config)
+
+
+def test_evidence_rules_need_their_evidence():
+  config = evidence("success")
+  assert schedule.max_turns(config, 0) == 2  # the first step has nothing to decide from
+  with pytest.raises(ValueError, match="pass the run's Progress"):
+    schedule.max_turns(config, 3)
+  with pytest.raises(ValueError, match="behaviour cloning"):
+    schedule.advance(config, schedule.Progress(), 0, {"actor/nll": 1.0})
+
+
+# ----- through the trainer --------------------------------------------------------------------
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+# Keypad runlocal; turn limit 1 until the first step's training success (>= 0: always) ends the
+# phase, then 2.
+ON_SUCCESS = ["--config=experiments/keypad/learn.py:runlocal", "--config.log.progress_bar=False",
+              "--config.schedule.kind=scaling_inter", "--config.schedule.horizons=1,2",
+              "--config.schedule.advance=success", "--config.schedule.window=1",
+              "--config.schedule.success_threshold=0.0", "--config.eval.every_steps=0",
+              "--config.checkpoint.export_hf=False"]
+
+
+def train(workdir, *overrides):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # one device: conftest's eight would only slow the run down
+  env.update(JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "agentgym_jax.train", f"--workdir={workdir}",
+                         *ON_SUCCESS, *overrides], cwd=REPO, env=env, capture_output=True,
+                        text=True, timeout=600)
+
+
+def logged(workdir):
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_trainer_keeps_an_evidence_phase_across_a_resume(tmp_path):
+  workdir = tmp_path / "run"
+  for total in (1, 3):  # one step, then resumed from its checkpoint for two more
+    result = train(workdir, f"--config.total_steps={total}")
+    assert result.returncode == 0, result.stderr[-3000:]
+  lines = logged(workdir)
+  assert [m["schedule/max_turns"] for m in lines] == [1.0, 2.0, 2.0]
+  assert [m["schedule/phase"] for m in lines] == [0.0, 1.0, 1.0]
+  meta = json.loads((workdir / "checkpoints" / "3" / "meta" / "metadata").read_text())
+  assert meta[schedule.META_KEY] == {"phase": 1, "since": 1, "recent": []}
+
+
+def test_the_trainer_refuses_an_evidence_rule_with_asynchronous_rollout(tmp_path):
+  result = train(tmp_path / "run", "--config.rollout.max_staleness=1",
+                 "--config.algo.tis_cap=2.0")
+  assert result.returncode != 0
+  assert "asynchronous rollout samples ahead" in result.stderr
+
+
+@pytest.mark.slow
+def test_an_evidence_run_resumed_equals_it_straight(tmp_path):
+  """Every training metric but times of 3 steps straight == 1 step + 2 resumed."""
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  assert train(straight, "--config.total_steps=3").returncode == 0
+  for total in (1, 3):
+    assert train(resumed, f"--config.total_steps={total}").returncode == 0
+  timing = ("time/", "rollout/tokens_per_s", "update/tokens_per_s", "rollout/env_seconds",
+            "compile/")
+  for a, b in zip(logged(straight), logged(resumed), strict=True):
+    assert ({k: v for k, v in a.items() if not k.startswith(timing)}
+            == {k: v for k, v in b.items() if not k.startswith(timing)}), a["step"]

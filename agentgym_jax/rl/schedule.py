@@ -4,22 +4,118 @@ Config data (`config.schedule`, a ConfigDict, a dict or any object with these at
 
   kind = "fixed"           horizons = [H]              every step allows H turns
   kind = "scaling_inter"   horizons = [h1 < h2 < ...]  ScalingInter-RL (AgentGym-RL, arXiv
-                           steps_per_phase = Δ         2509.08755): phase p = step // Δ allows
-                                                       h_{p+1} turns; the last one holds.
+                           steps_per_phase = Δ         2509.08755): phase p allows h_{p+1}
+                           advance = "steps"           turns; the last one holds.
+
+`advance` names the rule that ends a phase, a key of `ADVANCE_RULES`:
+
+  "steps"    after Δ steps (the paper's schedule): phase p = min(step // Δ, n - 1).
+  "success"  once the mean training success (`episodes/success_rate`) of the phase's last
+             `window` steps reaches `success_threshold`, or after Δ steps at the latest.
+  "plateau"  once that mean rose by less than `min_gain` over the `window` steps before them
+             (2 x window steps into the phase at the earliest), or after Δ steps at the latest.
+
+The evidence rules are ours, not the paper's: the horizon lengthens when the policy has
+learned what the short one teaches, instead of at a step fixed in advance.
 
 `step` is the 0-based global training step about to run, i.e. the number of updates already
 done, which is what a checkpoint stores. Upstream counts steps from 1 (steps 1..Δ use h1); ours
-0..Δ-1 use h1, the same steps. The horizon is a pure function of (config, step): restoring step s
-from a checkpoint gives exactly the horizons of an uninterrupted run. Upstream keeps a counter
-that advances one step early at the next boundary after a resume; nothing here can drift.
+0..Δ-1 use h1, the same steps. Under "steps" the horizon is a pure function of (config, step):
+restoring step s from a checkpoint gives exactly the horizons of an uninterrupted run. Upstream
+keeps a counter that advances one step early at the next boundary after a resume; nothing here
+can drift. Under an evidence rule it is a pure function of (config, step, progress), where
+`Progress` is what the rule has seen so far, folded step by step with `advance`; the trainer
+saves it in each checkpoint's meta (`Progress.to_meta`, exact as JSON), so a resumed run
+continues the fold where the checkpoint left it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from agentgym_jax.rl.registry import Registry
 
 KINDS = ("fixed", "scaling_inter")
+# The training metric the evidence rules read, from the step's metrics.
+SUCCESS_METRIC = "episodes/success_rate"
+# The key of the schedule's progress in a checkpoint's meta.
+META_KEY = "schedule"
+
+# rule(recent, *, window, success_threshold, min_gain) -> whether the phase ends now, where
+# recent holds the training success of the phase's steps so far (the last 2 x window of them).
+ADVANCE_RULES: Registry = Registry("schedule advance rule", reads_success=True)
+
+
+@ADVANCE_RULES.register("steps", reads_success=False)
+def after_steps(recent: tuple[float, ...], *, window: int, success_threshold: float,
+                min_gain: float) -> bool:
+  """Never on evidence: the phase ends after steps_per_phase steps (ScalingInter-RL)."""
+  del recent, window, success_threshold, min_gain
+  return False
+
+
+@ADVANCE_RULES.register("success")
+def on_success(recent: tuple[float, ...], *, window: int, success_threshold: float,
+               min_gain: float) -> bool:
+  """mean(recent[-window:]) >= success_threshold, once the phase has `window` steps."""
+  del min_gain
+  return len(recent) >= window and float(np.mean(recent[-window:])) >= success_threshold
+
+
+@ADVANCE_RULES.register("plateau")
+def on_plateau(recent: tuple[float, ...], *, window: int, success_threshold: float,
+               min_gain: float) -> bool:
+  """mean(recent[-window:]) - mean(recent[-2 window:-window]) < min_gain, once the phase has
+  2 x window steps: success stopped rising at this horizon."""
+  del success_threshold
+  if len(recent) < 2 * window:
+    return False
+  gain = float(np.mean(recent[-window:])) - float(np.mean(recent[-2 * window:-window]))
+  return gain < min_gain
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """A checked schedule config (`validate`)."""
+  kind: str
+  horizons: tuple[int, ...]
+  steps_per_phase: int | None  # None for "fixed"
+  advance: str = "steps"
+  window: int = 1
+  success_threshold: float = 1.0
+  min_gain: float = 0.0
+
+  @property
+  def reads_success(self) -> bool:
+    """Whether a phase may end on training evidence (then the turn limit needs `Progress`)."""
+    return self.kind == "scaling_inter" and ADVANCE_RULES.traits(self.advance)["reads_success"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+  """What an evidence rule has seen: the phase, the step it began at, and the training
+  success of its steps so far (the last 2 x window of them)."""
+  phase: int = 0
+  since: int = 0
+  recent: tuple[float, ...] = ()
+
+  def to_meta(self) -> dict[str, Any]:
+    """JSON-ready (floats survive JSON exactly)."""
+    return {"phase": self.phase, "since": self.since, "recent": list(self.recent)}
+
+  @classmethod
+  def from_meta(cls, meta: Mapping[str, Any] | None) -> "Progress":
+    """From `to_meta`'s dict; a checkpoint without one (a run from before evidence rules, or
+    a new run) starts at phase 0."""
+    if not meta:
+      return cls()
+    return cls(phase=int(meta["phase"]), since=int(meta["since"]),
+               recent=tuple(float(x) for x in meta["recent"]))
 
 
 def _field(config: Any, name: str, default: Any = None) -> Any:
@@ -32,13 +128,14 @@ def _is_int(x: Any) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def validate(config: Any) -> tuple[str, tuple[int, ...], int | None]:
-  """Checks a schedule config and returns (kind, horizons, steps_per_phase).
+def validate(config: Any) -> Schedule:
+  """Checks a schedule config and returns it as a `Schedule`.
 
   Raises:
     ValueError: unknown kind; horizons empty, not integers, not positive, not strictly
       increasing, or (fixed) more than one; steps_per_phase missing or not a positive integer
-      (scaling_inter).
+      (scaling_inter); an unknown advance rule, a window that is not a positive integer, a
+      success_threshold outside [0, 1] (scaling_inter).
   """
   kind = _field(config, "kind")
   if kind not in KINDS:
@@ -58,7 +155,7 @@ def validate(config: Any) -> tuple[str, tuple[int, ...], int | None]:
     if len(horizons) != 1:
       raise ValueError(f"schedule.kind='fixed' takes exactly one horizon, got {list(horizons)}; "
                        "use kind='scaling_inter' for a list")
-    return kind, (int(horizons[0]),), None
+    return Schedule(kind, (int(horizons[0]),), None)
   if any(b <= a for a, b in zip(horizons, horizons[1:])):
     raise ValueError(f"schedule.horizons must be strictly increasing for 'scaling_inter' "
                      f"(h1 < h2 < ...), got {list(horizons)}")
@@ -66,7 +163,17 @@ def validate(config: Any) -> tuple[str, tuple[int, ...], int | None]:
   if not _is_int(steps_per_phase) or steps_per_phase <= 0:
     raise ValueError(f"schedule.steps_per_phase must be a positive integer for 'scaling_inter', "
                      f"got {steps_per_phase!r}")
-  return kind, tuple(int(h) for h in horizons), int(steps_per_phase)
+  advance = _field(config, "advance", "steps")
+  if advance not in ADVANCE_RULES:
+    raise ValueError(f"schedule.advance must be one of {sorted(ADVANCE_RULES)}, got {advance!r}")
+  window = _field(config, "window", 1)
+  if not _is_int(window) or window <= 0:
+    raise ValueError(f"schedule.window must be a positive number of steps, got {window!r}")
+  threshold = float(_field(config, "success_threshold", 1.0))
+  if not 0.0 <= threshold <= 1.0:
+    raise ValueError(f"schedule.success_threshold is a success rate in [0, 1], got {threshold}")
+  return Schedule(kind, tuple(int(h) for h in horizons), int(steps_per_phase), advance,
+                  int(window), threshold, float(_field(config, "min_gain", 0.0)))
 
 
 def _check_step(step: Any) -> int:
@@ -75,19 +182,66 @@ def _check_step(step: Any) -> int:
   return int(step)
 
 
-def phase(config: Any, step: int) -> int:
-  """0-based schedule phase at `step`: 0 for `fixed`, min(step // Δ, n - 1) for `scaling_inter`."""
-  kind, horizons, steps_per_phase = validate(config)
+def phase(config: Any, step: int, progress: Progress | None = None) -> int:
+  """0-based schedule phase at `step`: 0 for `fixed`, min(step // Δ, n - 1) for `scaling_inter`
+  advancing on steps, `progress.phase` for an evidence rule.
+
+  Raises:
+    ValueError: an evidence rule without `progress` past step 0 (nothing to decide from).
+  """
+  checked = validate(config)
   step = _check_step(step)
-  if kind == "fixed":
+  if checked.kind == "fixed":
     return 0
-  return min(step // steps_per_phase, len(horizons) - 1)
+  if not checked.reads_success:
+    return min(step // checked.steps_per_phase, len(checked.horizons) - 1)
+  if progress is None:
+    if step == 0:
+      return 0
+    raise ValueError(f"schedule.advance={checked.advance!r} decides step {step}'s turn limit "
+                     "from the training success of the steps before it: pass the run's "
+                     "Progress (asynchronous rollout, which samples ahead, cannot use it).")
+  return progress.phase
 
 
-def max_turns(config: Any, step: int) -> int:
+def max_turns(config: Any, step: int, progress: Progress | None = None) -> int:
   """Turn limit for the episodes collected at `step` (0-based global training step)."""
-  _, horizons, _ = validate(config)
-  return horizons[phase(config, step)]
+  return validate(config).horizons[phase(config, step, progress)]
+
+
+def phase_of(config: Any, turns: int) -> int:
+  """The phase whose turn limit is `turns` (the horizons are strictly increasing)."""
+  return validate(config).horizons.index(turns)
+
+
+def advance(config: Any, progress: Progress, step: int, metrics: Mapping[str, Any]
+            ) -> Progress:
+  """`progress` after step `step` ran with `metrics` (its training metrics): the phase ends
+  when its rule says so or after steps_per_phase steps. Unchanged for "fixed" and in the last
+  phase. Under "steps" the fold gives the phase `phase` computes from the step alone, and
+  reads no metric.
+
+  Raises:
+    ValueError: an evidence rule, and `metrics` without the training success (behaviour
+      cloning has none).
+  """
+  checked = validate(config)
+  step = _check_step(step)
+  if checked.kind == "fixed" or progress.phase == len(checked.horizons) - 1:
+    return progress
+  recent = ()
+  if checked.reads_success:
+    if SUCCESS_METRIC not in metrics:
+      raise ValueError(f"schedule.advance={checked.advance!r} reads the training success "
+                       f"({SUCCESS_METRIC}), which step {step}'s metrics lack (behaviour "
+                       "cloning rolls out nothing): use schedule.advance='steps'.")
+    recent = (*progress.recent, float(metrics[SUCCESS_METRIC]))[-2 * checked.window:]
+  rule = ADVANCE_RULES[checked.advance]
+  ends = rule(recent, window=checked.window, success_threshold=checked.success_threshold,
+              min_gain=checked.min_gain)
+  if ends or step + 1 - progress.since >= checked.steps_per_phase:
+    return Progress(phase=progress.phase + 1, since=step + 1)
+  return Progress(phase=progress.phase, since=progress.since, recent=recent)
 
 
 # The name used in the team contract (`schedule.horizon(config.schedule, step)`).

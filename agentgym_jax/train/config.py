@@ -227,8 +227,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.schedule.kind = "fixed"
   # Turn limits, one per phase, increasing.
   c.schedule.horizons = (20,)
-  # Trainer steps per phase for "scaling_inter" (the last horizon is kept afterwards).
+  # Trainer steps per phase for "scaling_inter" (the last horizon is kept afterwards); under
+  # an evidence rule (advance below), the most steps a phase lasts.
   c.schedule.steps_per_phase = 100
+  # What ends a "scaling_inter" phase, a key of rl.schedule.ADVANCE_RULES: "steps" (after
+  # steps_per_phase steps: the paper's), "success" (once the mean training success of the
+  # phase's last `window` steps reaches success_threshold) or "plateau" (once that mean rose by
+  # less than min_gain over the `window` steps before them). The evidence rules' progress is
+  # saved in each checkpoint, so a resumed run keeps its phase; they need synchronous rollout.
+  c.schedule.advance = "steps"
+  c.schedule.window = 4
+  c.schedule.success_threshold = 0.5
+  c.schedule.min_gain = 0.05
 
   # ----- algorithm ---------------------------------------------------------------------------
   c.algo = ml_collections.ConfigDict()

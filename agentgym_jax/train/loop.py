@@ -97,7 +97,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   rollout = RolloutSettings.from_config(config)  # validates the rollout's settings
   update_cfg = update_lib.UpdateConfig.from_config(config)  # validates the algorithm
   spec = update_cfg.algo
-  schedule.validate(config.schedule)
+  if schedule.validate(config.schedule).reads_success and async_settings.enabled:
+    raise ValueError(f"schedule.advance={config.schedule.advance!r} sets each step's turn limit "
+                     "from the steps before it; asynchronous rollout samples ahead of them: use "
+                     "rollout.max_staleness=0 and rollout.devices=0, or schedule.advance='steps'.")
   logging.info("Mesh %s over %d devices.", dict(mesh.shape), mesh.size)
 
   ##############################################################################################
@@ -137,7 +140,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   # Precedence: the workdir's newest checkpoint; otherwise the initial state built above.
   ckpt = checkpoints.Checkpointer(os.path.join(workdir, policies.CHECKPOINT_DIR),
                                   config.checkpoint.keep)
-  state, cursor = _resume(ckpt, state, config, workdir)
+  state, cursor, horizon = _resume(ckpt, state, config, workdir)
   start_step = int(jax.device_get(state.step))
   writer = (metrics_lib.MetricWriter(workdir, resume_step=start_step)
             if jax.process_index() == 0 else None)
@@ -161,7 +164,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     make_batch = rollouts.batch
 
   def meta_at(cursor: int) -> dict[str, Any]:
-    return {"data_cursor": cursor, "tokenizer": config.tokenizer.spec, "env": config.env.name}
+    return {"data_cursor": cursor, "tokenizer": config.tokenizer.spec, "env": config.env.name,
+            schedule.META_KEY: horizon.to_meta()}
 
   def run_eval(step: int) -> dict[str, float]:
     # The command line's evaluation of this step's checkpoint: same settings, key and report.
@@ -196,11 +200,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     for step in range(start_step, config.total_steps):
       clock = [time.perf_counter()]
       done = step + 1
-      max_turns = schedule.max_turns(config.schedule, step)
+      max_turns = schedule.max_turns(config.schedule, step, horizon)
       # A saved step records what regenerates its episodes (agentgym_jax/replay.py).
       saving = _due(done, config.log.trajectories_every, config.total_steps)
       got = make_batch(inputs, state, step, cursor, max_turns, saving)
       cursor = got.cursor
+      horizon = schedule.advance(config.schedule, horizon, step, got.metrics)
       clock.append(time.perf_counter())
       state, update_metrics = update_step(state, got.batch)
       if rollouts:
@@ -229,7 +234,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       clock.append(time.perf_counter())
 
       last = step_metrics(got, update_metrics, eval_metrics, clock, compiles.take(),
-                          config=config, step=step, max_turns=max_turns)
+                          config=config, max_turns=max_turns)
       if writer and _due(done, config.log.every_steps, config.total_steps):
         writer.write(done, last)
       progress.update(1)
@@ -274,9 +279,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
 
 def _resume(ckpt: checkpoints.Checkpointer, state: state_lib.TrainState,
-            config: ml_collections.ConfigDict, workdir: str) -> tuple[state_lib.TrainState, int]:
-  """The newest complete checkpoint's state and task cursor, or (`state`, 0) in a new run;
-  says on the console which one (and any checkpoint left half-written)."""
+            config: ml_collections.ConfigDict, workdir: str
+            ) -> tuple[state_lib.TrainState, int, schedule.Progress]:
+  """The newest complete checkpoint's state, task cursor and turn-limit schedule's progress,
+  or (`state`, 0, its start) in a new run; says on the console which one (and any checkpoint
+  left half-written)."""
   latest = ckpt.latest_step()
   if ckpt.interrupted and jax.process_index() == 0:
     print(f"Checkpoint {', '.join(map(str, ckpt.interrupted))} in {ckpt.directory} was not "
@@ -284,7 +291,7 @@ def _resume(ckpt: checkpoints.Checkpointer, state: state_lib.TrainState,
           + (f"resuming from checkpoint {latest}, the last complete one." if latest is not None
              else "no complete checkpoint: starting from scratch."), flush=True)
   if latest is None:
-    return state, 0
+    return state, 0, schedule.Progress()
   if jax.process_index() == 0:
     print(f"Resuming from step {latest} ({os.path.join(ckpt.directory, str(latest))})",
           flush=True)
@@ -292,13 +299,13 @@ def _resume(ckpt: checkpoints.Checkpointer, state: state_lib.TrainState,
   if meta.get("tokenizer") != config.tokenizer.spec:
     raise ValueError(f"The checkpoint in {workdir} was trained with tokenizer "
                      f"{meta.get('tokenizer')!r}, the config says {config.tokenizer.spec!r}.")
-  return state, int(meta["data_cursor"])
+  return state, int(meta["data_cursor"]), schedule.Progress.from_meta(meta.get(schedule.META_KEY))
 
 
 def step_metrics(got: batches.StepBatch, update_metrics: dict[str, Any],
                  eval_metrics: dict[str, float], clock: list[float],
                  compile_metrics: dict[str, float], *, config: ml_collections.ConfigDict,
-                 step: int, max_turns: int) -> dict[str, float]:
+                 max_turns: int) -> dict[str, float]:
   """Everything a step logs: its batch's statistics, the update's, the schedule, throughput,
   the time of each phase, the executables it built and the evaluation's results.
 
@@ -312,7 +319,7 @@ def step_metrics(got: batches.StepBatch, update_metrics: dict[str, Any],
   out.update({k: float(v) for k, v in update_metrics.items()})
   out.update({
       "schedule/max_turns": float(max_turns),
-      "schedule/phase": float(schedule.phase(config.schedule, step)),
+      "schedule/phase": float(schedule.phase_of(config.schedule, max_turns)),
       "update/tokens_per_s": got.trained_tokens * config.algo.epochs / max(updated - batched,
                                                                            1e-9),
       "data/cursor": float(got.cursor),
