@@ -10,6 +10,8 @@ Each point becomes `python -m agentgym_jax.train --config=FILE:ARG --workdir=WOR
 --launcher=tpu the lines are `launch/tpu.sh run --session NAME -- ...` (one slice per point:
 set TPU_NAME per line).
 --run executes local lines one after another and stops at the first failure.
+`python -m agentgym_jax.report WORKDIR` then reports the points' held-out success, their seeds
+pooled, with intervals; `python -m agentgym_jax.viewer WORKDIR` draws their curves.
 """
 
 from __future__ import annotations
