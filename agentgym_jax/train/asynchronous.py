@@ -45,12 +45,13 @@ import dataclasses
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import multihost
 from agentgym_jax import sharding as sharding_lib
@@ -124,12 +125,13 @@ class WeightBoard:
     self._closed = False
 
   def publish(self, version: int, params: Any) -> None:
-    """Copies `params` (arrays sharded on the trainer's mesh) to the rollout mesh as `version`.
+    """Copies `params` (arrays sharded on the trainer's mesh) to the rollout mesh as `version`,
+    each with its partition spec (replicated where it has none: a single-device array).
 
     Always a copy (`may_alias=False`): the update donates the buffers of the state it reads."""
+    spec = lambda x: getattr(x.sharding, "spec", P())
     moved = jax.tree.map(
-        lambda x: jax.device_put(x, NamedSharding(self.mesh, x.sharding.spec), may_alias=False),
-        params)
+        lambda x: jax.device_put(x, NamedSharding(self.mesh, spec(x)), may_alias=False), params)
     jax.block_until_ready(moved)
     with self._changed:
       self._weights[version] = moved
@@ -167,64 +169,38 @@ class _Failure:
   error: BaseException
 
 
-class AsyncRollout:
-  """The rollout thread of a run, and the main thread's side of it: `batch` (the loop's
-  `make_batch`) takes the next finished step from the queue and scores it, `publish` hands
-  the updated weights to the rollout, `close` stops the thread and its environments.
+class RolloutThread:
+  """A thread that samples steps `first_step` .. `total_steps - 1` in order, each with the
+  weights `board.take(version_for(step))`, into a queue of at most max(k, 1) finished steps.
 
-  `inputs` are the trainer's (`batches.StepInputs`); the thread samples with a copy on the
-  rollout mesh and its own environment pool. The thread samples steps `first_step` to
-  `config.total_steps - 1` from task `cursor` on, each with the weights of
-  `max(step - k, first_step)`, and keeps at most max(k, 1) finished steps queued."""
+  `sample(step, params, version)` draws one step (`batches.sample_step` in a run). `next()`
+  hands the steps over in order; an error in `sample` reaches `next()` as `RolloutFailed`
+  after the steps finished before it, so none of those is lost."""
 
-  def __init__(self, config: ml_collections.ConfigDict, settings: AsyncSettings,
-               inputs: batches.StepInputs, state: state_lib.TrainState, *, first_step: int,
-               cursor: int, rollout_devices: list[Any] | None):
-    self.config, self.settings, self.inputs = config, settings, inputs
-    mesh = (inputs.mesh if rollout_devices is None
-            else sharding_lib.make_mesh(config.mesh, devices=rollout_devices))
-    try:
-      replica_meshes(mesh, config.rollout.replicas)
-    except ValueError as exc:
-      raise ValueError(f"rollout.replicas on the rollout devices: {exc}") from exc
-    self.pool = envs.make_pool(config)
-    self.rollout_inputs = dataclasses.replace(inputs, mesh=mesh, pool=self.pool,
-                                              share=multihost.process_share(mesh))
-    self.board = WeightBoard(mesh)
-    self.first_step = first_step
-    self._rng = np.asarray(jax.device_get(state.rng))  # the state's buffers are donated
-    self._queue: queue.Queue = queue.Queue(maxsize=max(settings.max_staleness, 1))
+  def __init__(self, sample: Callable[[int, Any, int], Any], board: WeightBoard, *,
+               first_step: int, total_steps: int, max_staleness: int):
+    self.sample, self.board = sample, board
+    self.first_step, self.total_steps, self.max_staleness = (first_step, total_steps,
+                                                             max_staleness)
+    self._queue: queue.Queue = queue.Queue(maxsize=max(max_staleness, 1))
     self._stop = threading.Event()
-    self.publish(state)
-    self._thread = threading.Thread(target=self._run, args=(cursor,), name="rollout",
-                                    daemon=True)
+    self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
     self._thread.start()
 
   def version_for(self, step: int) -> int:
     """The policy version that samples step `step`: `max_staleness` updates before it, never
     before the run's first step."""
-    return max(step - self.settings.max_staleness, self.first_step)
+    return max(step - self.max_staleness, self.first_step)
 
-  def publish(self, state: state_lib.TrainState) -> None:
-    """The state's policy, in the rollout's compute dtype, as version `state.step`."""
-    self.board.publish(int(jax.device_get(state.step)),
-                       batches.rollout_params(self.inputs, state.policy))
-
-  def _run(self, cursor: int) -> None:
+  def _run(self) -> None:
     try:
-      for step in range(self.first_step, self.config.total_steps):
+      for step in range(self.first_step, self.total_steps):
         version = self.version_for(step)
         params = self.board.take(version)
-        if params is None:  # closed
-          return
-        sampled = batches.sample_step(
-            self.rollout_inputs, params, rng=self._rng, step=step, cursor=cursor,
-            max_turns=schedule.max_turns(self.config.schedule, step), version=version)
-        cursor = sampled.cursor
-        if not self._put(sampled):
-          return
+        if params is None or not self._put(self.sample(step, params, version)):
+          return  # the run is closing
     except BaseException as exc:  # pylint: disable=broad-except
-      # Handed to the main thread, behind the batches finished before it.
+      # Handed to the main thread, behind the steps finished before it.
       self._put(_Failure(exc))
 
   def _put(self, item: Any) -> bool:
@@ -237,18 +213,71 @@ class AsyncRollout:
         continue
     return False
 
-  def _next(self) -> batches.Sampled:
+  def next(self) -> Any:
+    """The next finished step, waiting for it."""
     while True:
       try:
         item = self._queue.get(timeout=_POLL_S)
         break
       except queue.Empty:
         if not self._thread.is_alive() and self._queue.empty():
-          raise RolloutFailed("The rollout thread ended without the next step's batch.")
+          raise RolloutFailed("The rollout thread ended without the next step's batch "
+                              "(the run asked for more than total_steps).") from None
     if isinstance(item, _Failure):
       raise RolloutFailed(f"The rollout thread stopped: {type(item.error).__name__}: "
                           f"{item.error}") from item.error
     return item
+
+  def close(self) -> None:
+    """Stops the thread; it finishes the step it is sampling (the environments' timeouts
+    bound it) and queues nothing more."""
+    self._stop.set()
+    self.board.close()
+    self._thread.join()
+
+
+class AsyncRollout:
+  """A run's rollout thread and the main thread's side of it: `batch` (the loop's
+  `make_batch`) takes the next finished step and scores it, `publish` hands the updated
+  weights to the rollout, `close` stops the thread and its environments.
+
+  `inputs` are the trainer's (`batches.StepInputs`); the thread samples with a copy of the
+  weights on the rollout mesh and with its own environment pool, steps `first_step` to
+  `config.total_steps - 1` from task `cursor` on."""
+
+  def __init__(self, config: ml_collections.ConfigDict, settings: AsyncSettings,
+               inputs: batches.StepInputs, state: state_lib.TrainState, *, first_step: int,
+               cursor: int, rollout_devices: list[Any] | None):
+    self.settings, self.inputs = settings, inputs
+    mesh = (inputs.mesh if rollout_devices is None
+            else sharding_lib.make_mesh(config.mesh, devices=rollout_devices))
+    try:
+      replica_meshes(mesh, config.rollout.replicas)
+    except ValueError as exc:
+      raise ValueError(f"rollout.replicas on the rollout devices: {exc}") from exc
+    self.pool = envs.make_pool(config)
+    rollout_inputs = dataclasses.replace(inputs, mesh=mesh, pool=self.pool,
+                                         share=multihost.process_share(mesh))
+    rng = np.asarray(jax.device_get(state.rng))  # the state's buffers are donated
+    cursors = [cursor]  # the task stream's position, advanced by the thread only
+
+    def sample(step: int, params: Any, version: int) -> batches.Sampled:
+      sampled = batches.sample_step(rollout_inputs, params, rng=rng, step=step,
+                                    cursor=cursors[0], version=version,
+                                    max_turns=schedule.max_turns(config.schedule, step))
+      cursors[0] = sampled.cursor
+      return sampled
+
+    self.board = WeightBoard(mesh)
+    self.publish(state)
+    self.thread = RolloutThread(sample, self.board, first_step=first_step,
+                                total_steps=config.total_steps,
+                                max_staleness=settings.max_staleness)
+
+  def publish(self, state: state_lib.TrainState) -> None:
+    """The state's policy, in the rollout's compute dtype, as version `state.step`."""
+    self.board.publish(int(jax.device_get(state.step)),
+                       batches.rollout_params(self.inputs, state.policy))
 
   def batch(self, inputs: batches.StepInputs, state: state_lib.TrainState, step: int,
             cursor: int, max_turns: int, saving: bool) -> batches.StepBatch:
@@ -256,7 +285,7 @@ class AsyncRollout:
     by `state`. Adds async/ metrics: the sampler's version, its staleness and the seconds the
     trainer waited for the batch."""
     start = time.perf_counter()
-    sampled = self._next()
+    sampled = self.thread.next()
     waited = time.perf_counter() - start
     trained_by = int(jax.device_get(state.step))
     staleness = trained_by - sampled.version
@@ -275,8 +304,6 @@ class AsyncRollout:
     return got
 
   def close(self) -> None:
-    """Stops the thread (it finishes the rollout it is in) and its environment pool."""
-    self._stop.set()
-    self.board.close()
-    self._thread.join()
+    """Stops the thread, then its environment pool."""
+    self.thread.close()
     self.pool.close()
