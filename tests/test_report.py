@@ -4,17 +4,13 @@ an exact enumeration and scipy; the report of a real run's directory; one-line e
 import itertools
 import json
 import os
-import pathlib
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from test_user_view import run_cli
 
 from agentgym_jax import report
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def interval(cells, resamples=10_000, seed=0):
@@ -92,15 +88,6 @@ def test_one_seed_matches_scipy_percentile_bootstrap():
 
 
 # ----- reading runs ---------------------------------------------------------------------------
-
-
-def run_cli(module, *args, timeout=600):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # one device: conftest's eight would only slow the run down
-  env.update(JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                        timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -2,14 +2,11 @@
 (by hand), resume invariance (pure and through the trainer), config validation."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import ml_collections
 import numpy as np
 import pytest
+from test_trainer import CONFIG, metrics, run_cli, training_metrics
 
 from agentgym_jax.rl import schedule
 
@@ -193,57 +190,49 @@ def test_evidence_rules_need_their_evidence():
 
 # ----- through the trainer --------------------------------------------------------------------
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 # Keypad runlocal; turn limit 1 until the first step's training success (>= 0: always) ends the
 # phase, then 2.
-ON_SUCCESS = ["--config=experiments/keypad/learn.py:runlocal", "--config.log.progress_bar=False",
+ON_SUCCESS = [f"--config={CONFIG}", "--config.log.progress_bar=False",
               "--config.schedule.kind=scaling_inter", "--config.schedule.horizons=1,2",
               "--config.schedule.advance=success", "--config.schedule.window=1",
               "--config.schedule.success_threshold=0.0", "--config.eval.every_steps=0",
               "--config.checkpoint.export_hf=False"]
 
 
-def train(workdir, *overrides):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # one device: conftest's eight would only slow the run down
-  env.update(JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "agentgym_jax.train", f"--workdir={workdir}",
-                         *ON_SUCCESS, *overrides], cwd=REPO, env=env, capture_output=True,
-                        text=True, timeout=600)
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("jax_cache"))
 
 
-def logged(workdir):
-  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+def train(workdir, cache, *overrides):
+  return run_cli("agentgym_jax.train", [f"--workdir={workdir}", *ON_SUCCESS, *overrides], cache)
 
 
-def test_the_trainer_keeps_an_evidence_phase_across_a_resume(tmp_path):
+def test_the_trainer_keeps_an_evidence_phase_across_a_resume(tmp_path, compile_cache):
   workdir = tmp_path / "run"
   for total in (1, 3):  # one step, then resumed from its checkpoint for two more
-    result = train(workdir, f"--config.total_steps={total}")
+    result = train(workdir, compile_cache, f"--config.total_steps={total}")
     assert result.returncode == 0, result.stderr[-3000:]
-  lines = logged(workdir)
+  lines = metrics(workdir)
   assert [m["schedule/max_turns"] for m in lines] == [1.0, 2.0, 2.0]
   assert [m["schedule/phase"] for m in lines] == [0.0, 1.0, 1.0]
   meta = json.loads((workdir / "checkpoints" / "3" / "meta" / "metadata").read_text())
   assert meta[schedule.META_KEY] == {"phase": 1, "since": 1, "recent": []}
 
 
-def test_the_trainer_refuses_an_evidence_rule_with_asynchronous_rollout(tmp_path):
-  result = train(tmp_path / "run", "--config.rollout.max_staleness=1",
+def test_the_trainer_refuses_an_evidence_rule_with_asynchronous_rollout(tmp_path, compile_cache):
+  result = train(tmp_path / "run", compile_cache, "--config.rollout.max_staleness=1",
                  "--config.algo.tis_cap=2.0")
   assert result.returncode != 0
   assert "asynchronous rollout samples ahead" in result.stderr
 
 
 @pytest.mark.slow
-def test_an_evidence_run_resumed_equals_it_straight(tmp_path):
+def test_an_evidence_run_resumed_equals_it_straight(tmp_path, compile_cache):
   """Every training metric but times of 3 steps straight == 1 step + 2 resumed."""
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  assert train(straight, "--config.total_steps=3").returncode == 0
+  assert train(straight, compile_cache, "--config.total_steps=3").returncode == 0
   for total in (1, 3):
-    assert train(resumed, f"--config.total_steps={total}").returncode == 0
-  timing = ("time/", "rollout/tokens_per_s", "update/tokens_per_s", "rollout/env_seconds",
-            "compile/")
-  for a, b in zip(logged(straight), logged(resumed), strict=True):
-    assert ({k: v for k, v in a.items() if not k.startswith(timing)}
-            == {k: v for k, v in b.items() if not k.startswith(timing)}), a["step"]
+    assert train(resumed, compile_cache, f"--config.total_steps={total}").returncode == 0
+  for a, b in zip(metrics(straight), metrics(resumed), strict=True):
+    assert training_metrics(a) == training_metrics(b), a["step"]
