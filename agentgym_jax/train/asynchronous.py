@@ -290,13 +290,14 @@ class AsyncRollout:
     trained_by = int(jax.device_get(state.step))
     staleness = trained_by - sampled.version
     first_task = sampled.cursor - sampled.drawn * inputs.config.data.batch_tasks
-    if ((sampled.step, first_task) != (step, cursor)
+    if ((sampled.step, first_task, sampled.max_turns) != (step, cursor, max_turns)
         or not 0 <= staleness <= self.settings.max_staleness):
       raise RuntimeError(f"The rollout thread's batch is step {sampled.step} from task "
-                         f"{first_task} sampled by version {sampled.version}, the trainer "
-                         f"is at step {step} (version {trained_by}), task {cursor}: a bug in "
+                         f"{first_task} with {sampled.max_turns} turns, sampled by version "
+                         f"{sampled.version}; the trainer is at step {step} (version "
+                         f"{trained_by}), task {cursor}, {max_turns} turns: a bug in "
                          "train/asynchronous.py.")
-    got = batches.scored_batch(inputs, state, sampled, saving=saving, max_turns=max_turns)
+    got = batches.scored_batch(inputs, state, sampled, saving=saving)
     for episode in got.episodes:
       episode.policy_version = sampled.version
     got.metrics.update({"async/policy_version": float(sampled.version),

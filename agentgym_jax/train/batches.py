@@ -185,8 +185,8 @@ class Sampled:
   step: the step (0-based) whose batch this is; cursor: the task stream's position after its
   draws; version: the policy version that sampled it (updates completed by those weights,
   `state.step`); traj/episodes: the episodes (`Trajectory` [B, L], device or host arrays, and
-  their records); task_ids/key: the first round's tasks and sampler key (a replay regenerates
-  round 1 only); drawn: rounds of tasks drawn (dynamic sampling); devices: the rollout mesh's
+  their records); task_ids/key/max_turns: the first round's tasks, sampler key and turn
+  limit (a replay regenerates round 1 only); drawn: rounds of tasks drawn (dynamic sampling); devices: the rollout mesh's
   device count; metrics: dynamic sampling's and the rollout's throughput and `time/rollout`.
   """
 
@@ -197,6 +197,7 @@ class Sampled:
   episodes: list[Any]
   task_ids: list[int]
   key: jax.Array
+  max_turns: int
   drawn: int
   devices: int
   metrics: dict[str, float]
@@ -234,7 +235,8 @@ def sample_step(inputs: StepInputs, params: Any, *, rng: Any, step: int, cursor:
       "rollout/tokens_per_s": stats["rollout/sampled_tokens"] / max(seconds, 1e-9),
       "rollout/env_seconds": float(stats["rollout/env_seconds"]), "time/rollout": seconds})
   return Sampled(step=step, cursor=cursor + drawn * tasks, version=version, traj=traj,
-                 episodes=stats["episodes"], task_ids=task_ids, key=key, drawn=drawn,
+                 episodes=stats["episodes"], task_ids=task_ids, key=key,
+                 max_turns=max_turns, drawn=drawn,
                  devices=inputs.mesh.size, metrics=logged)
 
 
@@ -245,11 +247,11 @@ def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor:
   sampled = sample_step(inputs, rollout_params(inputs, state.policy), rng=state.rng,
                         step=step, cursor=cursor, max_turns=max_turns,
                         version=int(jax.device_get(state.step)))
-  return scored_batch(inputs, state, sampled, saving=saving, max_turns=max_turns)
+  return scored_batch(inputs, state, sampled, saving=saving)
 
 
 def scored_batch(inputs: StepInputs, state: state_lib.TrainState, sampled: Sampled, *,
-                 saving: bool, max_turns: int) -> StepBatch:
+                 saving: bool) -> StepBatch:
   """A step's rollouts scored by the policy, the reference and the critic, with the
   estimator's advantages: the update's batch.
 
@@ -264,7 +266,7 @@ def scored_batch(inputs: StepInputs, state: state_lib.TrainState, sampled: Sampl
   # A replay regenerates round 1 of a step sampled by the checkpoint of the step before.
   on_policy = sampled.version == int(jax.device_get(state.step))
   replay = provenance.step_provenance(
-      config, step + 1, sampled.task_ids, sampled.key, max_turns,
+      config, step + 1, sampled.task_ids, sampled.key, sampled.max_turns,
       provenance.policy_checksum(state.policy), sampled.devices
   ) if saving and on_policy and sampled.drawn == 1 else None
   logged = dict(sampled.metrics)

@@ -320,6 +320,7 @@ def step_metrics(got: batches.StepBatch, update_metrics: dict[str, Any],
   out.update({
       "schedule/max_turns": float(max_turns),
       "schedule/phase": float(schedule.phase_of(config.schedule, max_turns)),
+      "update/trained_tokens": float(got.trained_tokens * config.algo.epochs),
       "update/tokens_per_s": got.trained_tokens * config.algo.epochs / max(updated - batched,
                                                                            1e-9),
       "data/cursor": float(got.cursor),
