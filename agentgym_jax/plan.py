@@ -15,14 +15,15 @@ compares them with the host's RAM (or the GPU's memory); XLA:CPU compiles a prog
 size, so there the comparison is the plan's. Both are a `targets.Target`.
 
 The plan builds what `train/loop.py` builds, abstractly and with the trainer's own functions:
-the mesh of `config.mesh` on the target's devices, the train state's shapes and shardings (the
-model's shapes from the experiment, from `models.published` when its checkpoint is not on
-disk; no weight is read), and then compiles the programs of one step at the config's
-largest shapes:
+the run's tokenizer, the mesh of `config.mesh` on the target's devices, the train state's
+shapes and shardings (the model's shapes from the experiment, from `models.published` when its
+checkpoint is not on disk; no weight is read), and then compiles the programs of one step at
+the config's largest shapes:
 
   rollout_extend  append a chunk of 512 tokens to one host's rows of the KV cache
   rollout_decode  sample a whole turn into that cache (max_reply_tokens)
-  score_logprobs  reference (and, off-policy, old) log-probs of the step's batch
+  score_logprobs  reference (and, off-policy, old) log-probs of the step's batch, when it
+                  scores any
   score_values    the critic's values (PPO/GAE only)
   update          epochs x minibatches optimizer updates
 
@@ -37,6 +38,13 @@ meanwhile.
 FLOPs per step are counted by formula (`step_flops`), not read from the compiler, whose cost
 analysis counts a loop body once; the last line gives them, with the time they take on all
 chips at the chip's bf16 peak where the target's peak is known (TPU slices).
+
+The programs it compiles go into JAX's persistent compilation cache, `config.compile.cache_dir`
+as for the trainer (agentgym_jax/caches.py): a run of the same config on the same target
+started with that cache loads them instead of compiling them (docs/tpu.md, "A pod that starts
+warm"). For that the plan lowers what the trainer lowers, argument for argument: the
+tokenizer's end-of-turn ids (a static argument of the decode), the rows sharded as
+`sharding.shard_batch` puts them, and only the scorers the step runs.
 
 Exit status 0 when every program fits, 1 with one line naming the first that does not.
 """
@@ -70,6 +78,7 @@ from agentgym_jax.models.value import ValueModel
 from agentgym_jax.rl.algorithm import AlgorithmSpec
 from agentgym_jax.rollout import sampler
 from agentgym_jax.rollout.trajectory import bucket_length
+from agentgym_jax.tokenization import ChatTokenizer
 from agentgym_jax.train import batches
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import update as update_lib
@@ -78,30 +87,44 @@ from agentgym_jax.targets import GiB, Target
 # ----- the run's shapes ---------------------------------------------------------------------
 
 
-def model_config(config: ml_collections.ConfigDict, platform: str) -> ModelConfig:
-  """The policy's ModelConfig from the experiment alone (no weights, no tokenizer files), its
-  "auto" settings resolved for `platform` ("tpu": the Pallas attention kernel, the blocks as
-  a scan), the target's rather than this process's.
+def run_tokenizer(config: ml_collections.ConfigDict) -> ChatTokenizer:
+  """The run's tokenizer, loaded as the trainer loads it (a "bpe:" one trained on the config's
+  tasks, as a new run trains it); for a published checkpoint that is not on disk, the
+  Qwen2.5 vocabulary with its ChatML template (`ChatTokenizer.qwen2_5`: every model
+  `models.published` knows is a Qwen2.5). Its end-of-turn ids are a static argument of the
+  rollout's decode, and a random model's vocabulary is its size.
 
   Raises:
-    ValueError: an HF path that is neither on disk nor a published model; a random arch
-      whose vocabulary is left to the tokenizer (vocab_size 0).
+    ValueError: an HF path that is neither on disk nor a published model; a tokenizer spec
+      the trainer would refuse.
   """
-  source = config.model.source
-  settings = dict(policies.run_settings(config),
-                  attention=resolve_attention(config.model.attention, platform),
+  path = config.model.path
+  if config.tokenizer.spec == "model" and config.model.source == "hf" and not os.path.isdir(
+      path):
+    published.hf_config(path)  # raises, naming the published models
+    return ChatTokenizer.qwen2_5()
+  return policies.load_tokenizer(config, workdir=None)
+
+
+def model_config(config: ml_collections.ConfigDict, tok: ChatTokenizer,
+                 platform: str) -> ModelConfig:
+  """The policy's ModelConfig as the trainer reads it (`policies.policy_config`, no weights),
+  from `models.published` for an HF checkpoint not on disk, with its "auto" settings resolved
+  for `platform` ("tpu": the Pallas attention kernel, the blocks as a scan), the target's
+  rather than this process's.
+
+  Raises:
+    ValueError: an HF path that is neither on disk nor a published model.
+  """
+  settings = dict(attention=resolve_attention(config.model.attention, platform),
                   layer_loop=resolve_layer_loop(config.model.layer_loop, platform,
                                                 remat=config.model.remat))
-  if source == "hf":
-    path = config.model.path
-    hf = path if os.path.isdir(path) else published.hf_config(path)
-    return ModelConfig.from_hf_config(hf, param_dtype=config.model.dtype, **settings)
-  if source == "random":
-    if not config.model.arch.vocab_size:
-      raise ValueError("model.arch.vocab_size is 0 (the tokenizer's); give the plan a size, "
-                       "e.g. --config.model.arch.vocab_size=512.")
-    return ModelConfig(**dict(config.model.arch, **settings))
-  cfg = policies.policy_config(config, tok=None)  # SmolLM2: its GGUF file's header
+  path = config.model.path
+  if config.model.source == "hf" and not os.path.isdir(path):
+    cfg = ModelConfig.from_hf_config(published.hf_config(path), param_dtype=config.model.dtype,
+                                     **policies.run_settings(config))
+  else:
+    cfg = policies.policy_config(config, tok)
   return dataclasses.replace(cfg, **settings)
 
 
@@ -122,6 +145,7 @@ class Run:
 
   config: ml_collections.ConfigDict
   cfg: ModelConfig
+  end_ids: tuple[int, ...]  # the tokenizer's end-of-turn ids, which end a sampled reply
   mesh: Mesh
   platform: str  # of the mesh's devices: "tpu", "cpu", "gpu"
   spec: AlgorithmSpec
@@ -136,7 +160,8 @@ class Run:
   def build(cls, config: ml_collections.ConfigDict, devices: list[Any]) -> "Run":
     """The mesh, algorithm and abstract train state of `config` on `devices`."""
     platform = devices[0].platform
-    cfg = model_config(config, platform)
+    tok = run_tokenizer(config)
+    cfg = model_config(config, tok, platform)
     mesh = sharding_lib.make_mesh(config.mesh, devices)
     batches.check_layout(config, mesh)  # the trainer's own start-up check
     update_cfg = update_lib.UpdateConfig.from_config(config)
@@ -150,12 +175,18 @@ class Run:
     state = jax.eval_shape(lambda p, c: state_lib.init_train_state(
         policy=p, critic=c, keep_reference=spec.keep_reference, optimizers=optimizers,
         seed=0, shardings=split.shardings), split.policy, split.critic)
-    return cls(config, cfg, mesh, platform, spec, update_cfg, split.policy_def,
+    return cls(config, cfg, tuple(tok.end_of_turn_ids), mesh, platform, spec, update_cfg, split.policy_def,
                split.critic_def, optimizers, split.shardings, _abstract(state, split.shardings))
 
   @property
   def rows(self) -> int:
     return self.config.data.batch_tasks * self.config.data.group_size
+
+  @property
+  def scores_logprobs(self) -> bool:
+    """Whether the step scores log-probs: old ones (unless the update's own forward gives
+    them, `old_logprobs_from_update`) or the reference's (`train/batches.py`, rl_batch)."""
+    return not self.spec.old_logprobs_from_update or self.spec.keep_reference
 
   @property
   def length(self) -> int:
@@ -288,19 +319,19 @@ def rollout_programs(run: Run, host_devices: list[Any], hosts: int,
   # (gathered, cast), while the whole state stays in HBM.
   own = hosts == 1 and compute == jnp.float32
   resident = per_chip_bytes(run.state) - (per_chip_bytes(run.state.policy) if own else 0)
-  batch = NamedSharding(local, P(sharding_lib.BATCH_AXES))
+  # The rows' arrays sharded as the rollout puts them (`shard_batch`), so that the programs
+  # are the ones it compiles.
+  rows_of = lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=sharding_lib.batch_sharding(x.shape, local))
   cache = jax.eval_shape(lambda: KVCache.init(cfg, rows, slots, platform=run.platform))
   cache = _abstract(cache, cache.shardings(local))
-  logits = jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32, sharding=batch)
-  ints = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=batch)
+  logits = rows_of(jax.ShapeDtypeStruct((rows, cfg.vocab_size), jnp.float32))
+  ints = lambda *shape: rows_of(jax.ShapeDtypeStruct(shape, jnp.int32))
   sampling = sampler.SamplingConfig(
       temperature=config.rollout.temperature, top_p=config.rollout.top_p,
       top_k=config.rollout.top_k, max_reply_tokens=config.rollout.max_reply_tokens)
-  turn = jax.eval_shape(lambda: sampler.Turn.idle(
-      jax.random.split(jax.random.key(0), rows), sampling.max_reply_tokens))
-  turn = _abstract(turn, jax.tree.map(lambda _: batch, turn))
-  end_ids = tuple(np.atleast_1d(cfg.eos_token_id if cfg.eos_token_id is not None else 0)
-                  .astype(int).tolist())
+  turn = jax.tree.map(rows_of, jax.eval_shape(lambda: sampler.Turn.idle(
+      jax.random.split(jax.random.key(0), rows), sampling.max_reply_tokens)))
 
   def under_mesh(fn):
     def lower():
@@ -311,7 +342,8 @@ def rollout_programs(run: Run, host_devices: list[Any], hosts: int,
   compile_program("rollout_extend", under_mesh(lambda: sampler.extend.lower(
       run.policy_def, params, cache, logits, ints(rows, width), ints(rows))), resident)
   compile_program("rollout_decode", under_mesh(lambda: sampler.decode.lower(
-      run.policy_def, params, cache, logits, turn, ints(rows), end_ids, sampling)), resident)
+      run.policy_def, params, cache, logits, turn, ints(rows), run.end_ids, sampling)),
+                  resident)
 
 
 def host_mesh(mesh: Mesh, host_devices: list[Any]) -> Mesh:
@@ -348,9 +380,10 @@ def plan(config: ml_collections.ConfigDict, target: Target,
       run.policy_def, run.critic_def, run.update_cfg.temperature, chunks, run.mesh,
       compute_dtype=run.update_cfg.compute_dtype)
   tokens, valid = batch["tokens"], batch["valid"]
-  compile_program(
-      "score_logprobs", lambda: score_logprobs.lower(run.state.policy, tokens, valid),
-      resident=state_bytes - per_chip_bytes(run.state.policy) + per_chip_bytes(batch))
+  if run.scores_logprobs:
+    compile_program(
+        "score_logprobs", lambda: score_logprobs.lower(run.state.policy, tokens, valid),
+        resident=state_bytes - per_chip_bytes(run.state.policy) + per_chip_bytes(batch))
   if score_values is not None:
     compile_program(
         "score_values", lambda: score_values.lower(run.state.critic, tokens, valid),
@@ -427,6 +460,13 @@ def misfit_line(program: Program, target: Target) -> str:
           "rollout.max_context")
 
 
+def saved_line(cache_dir: str, target: Target) -> str:
+  """Where the compiled programs went, and what loads them."""
+  where = "this machine" if target.platform in targets.LOCAL else f"a {target.name} slice"
+  return (f"Compiled programs saved in {cache_dir}: a run of this config on {where} with "
+          f"--config.compile.cache_dir={cache_dir} loads them instead of compiling them.")
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
@@ -438,6 +478,7 @@ def main(argv: list[str]) -> None:
     cli.fatal(str(exc))
   except (ImportError, RuntimeError) as exc:  # libtpu's, for a slice's devices
     cli.fatal(f"--topology: {exc} (libtpu comes with pip install -e '.[tpu]')")
+  cli.use_compilation_cache(config)
   print(header(flags.FLAGS["config"].config_filename, target), flush=True)
   done = []
 
@@ -455,6 +496,8 @@ def main(argv: list[str]) -> None:
     cli.fatal(str(exc))
   print(format_table(done, columns(target)))
   print(flops_line(flops, target))
+  if config.compile.cache_dir:
+    print(saved_line(config.compile.cache_dir, target))
   misfits = [p for p in programs if not fits(p, target)]
   if flags.FLAGS.json:
     with open(flags.FLAGS.json, "w") as f:

@@ -139,6 +139,13 @@ def put_global(x: Any, sharding: jax.sharding.Sharding | None) -> jax.Array:
   return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
+def batch_sharding(shape: Sequence[int], mesh: Mesh, batch_axis: int = 0) -> NamedSharding:
+  """Where `shard_batch` puts an array of `shape`: its `batch_axis` over (data, fsdp), less
+  the axes of size 1 or that do not divide it (the plan gives its abstract rows the same)."""
+  names = [None] * batch_axis + ["batch"] + [None] * (len(shape) - batch_axis - 1)
+  return NamedSharding(mesh, logical_to_spec(names, shape, mesh))
+
+
 def shard_batch(tree: Any, mesh: Mesh, batch_axis: int = 0) -> Any:
   """Puts every array of `tree` on `mesh` with its `batch_axis` split over (data, fsdp).
 
@@ -146,10 +153,7 @@ def shard_batch(tree: Any, mesh: Mesh, batch_axis: int = 0) -> Any:
   mesh that spans processes the leaves must be host arrays, whole on every process.
   """
   tree = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.asarray(x), tree)
-  def sharding_of(x):
-    names = [None] * batch_axis + ["batch"] + [None] * (x.ndim - batch_axis - 1)
-    return NamedSharding(mesh, logical_to_spec(names, x.shape, mesh))
-  shardings = jax.tree.map(sharding_of, tree)
+  shardings = jax.tree.map(lambda x: batch_sharding(x.shape, mesh, batch_axis), tree)
   if mesh.is_multi_process:
     return jax.tree.map(put_global, tree, shardings)
   # One device_put for the whole tree: one transfer call instead of one per array.

@@ -4,6 +4,7 @@ that does not fit."""
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["experiments/agentgym_rl/searchqa.py:runlocal,algo=ppo",
         "--config.model.arch.vocab_size=512", "--config.data.batch_tasks=8",
         "--config.data.group_size=2"]
-# Keypad's 2-layer random model with a critic (algo=ppo: every program of a step), for the CPU.
+# Keypad's 2-layer random model with a critic (algo=ppo), for the CPU: every program of a step
+# but score_logprobs (on-policy without a reference, the step scores no log-probs).
 KEYPAD = ["--config=experiments/keypad/learn.py:runlocal,algo=ppo",
           "--config.model.arch.vocab_size=300"]
 
@@ -128,7 +130,7 @@ def test_a_whole_step_compiles_for_this_cpu_against_its_ram(tmp_path):
     saved = json.load(f)
   assert saved["platform"] == "cpu" and saved["peak_flops"] is None
   programs = {p["name"]: p for p in saved["programs"]}
-  assert list(programs) == list(plan.PROGRAMS)
+  assert list(programs) == [p for p in plan.PROGRAMS if p != "score_logprobs"]
   for p in programs.values():
     assert p["fits"] and p["needed"] is None and p["temporaries"] > 0, p
   # No peak for a CPU: FLOPs without a time.
@@ -147,6 +149,45 @@ def test_a_step_too_big_for_the_ram_exits_1_naming_the_program_and_bytes():
   assert "rollout.max_context" in fatal, fatal
 
 
+# Keypad's PPO step (every program but score_logprobs, which an on-policy update without a
+# reference does not run) with a 96-token context: its longest episode fills the rows of the
+# 96-token bucket that the plan compiles the update and critic for.
+WARM = ["--config=experiments/keypad/learn.py:runlocal,algo=ppo",
+        "--config.rollout.max_context=96"]
+_CACHE_HIT = re.compile(r"Persistent compilation cache hit for '\S+' with key '(\S+)'")
+
+
+def test_a_run_started_from_the_plans_cache_compiles_none_of_the_planned_programs(tmp_path):
+  cache, workdir = tmp_path / "cache", tmp_path / "run"
+  planned = _plan("--topology=cpu", *WARM, f"--config.compile.cache_dir={cache}",
+                  cpu_devices=1)
+  assert planned.returncode == 0, planned.stdout + planned.stderr[-2000:]
+  keys = {name.removesuffix("-cache") for name in os.listdir(cache)}
+  # The trainer's first step, in a new process on the same cache; JAX's compiler logs the
+  # key of every executable it loads from it.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEBUG_LOG_MODULES="jax._src.compiler")
+  env.pop("XLA_FLAGS", None)  # the plan's one device (the flags are part of every key)
+  result = subprocess.run(
+      [sys.executable, "-m", "agentgym_jax.train", *WARM, f"--workdir={workdir}",
+       f"--config.compile.cache_dir={cache}", "--config.total_steps=1",
+       "--config.eval.every_steps=0", "--config.log.trajectories_every=0",
+       "--config.checkpoint.export_hf=False", "--config.log.progress_bar=False"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  hits = set(_CACHE_HIT.findall((workdir / "train.log").read_text()))
+  # rollout_extend appends a whole 96-token chunk to every row at once; keypad's openings and
+  # observations are shorter chunks (prefilled 24 and 48 wide), so the run never builds it.
+  met = {k for k in keys if not k.startswith("jit_extend-")}
+  assert len(met) == len(keys) - 1, keys
+  # rollout_decode, and score_values and update (both traced under the mesh).
+  assert sorted(k.split("-")[0] for k in met if k.startswith(("jit_decode", "jit_under"))) == [
+      "jit_decode", "jit_under_mesh", "jit_under_mesh"], keys
+  assert met <= hits, met - hits
+  with open(workdir / "metrics.jsonl") as f:
+    [step] = [json.loads(line) for line in f]
+  assert step["compile/cache_hits"] == len(hits), step
+
+
 def _experiment(path):
   """The experiment file at `path` (under the repository) as a module."""
   sys.path.insert(0, ROOT)  # experiment files import `experiments.agentgym_rl.common`
@@ -160,13 +201,18 @@ def _experiment(path):
 def test_the_papers_models_are_known_without_their_checkpoints():
   searchqa = _experiment("experiments/agentgym_rl/searchqa.py")
   for model, layers in (("7b", 28), ("3b", 36)):
-    cfg = plan.model_config(searchqa.get_config(f"model={model}"), "tpu")
+    config = searchqa.get_config(f"model={model}")
+    cfg = plan.model_config(config, plan.run_tokenizer(config), "tpu")
     assert cfg.num_layers == layers
+  # The rollout's replies end where the checkpoint's tokenizer ends them.
+  assert plan.run_tokenizer(config).end_of_turn_ids == (151645, 151643)  # im_end, endoftext
   config = searchqa.get_config("model=7b")
   with config.unlocked():
     config.model.path = "/nowhere/Qwen9-1T"
   with pytest.raises(ValueError, match="Qwen2.5-7B-Instruct"):
-    plan.model_config(config, "tpu")
+    plan.run_tokenizer(config)
+  with pytest.raises(ValueError, match="Qwen2.5-7B-Instruct"):
+    plan.model_config(config, None, "tpu")
 
 
 def test_auto_attention_and_layer_loop_resolve_for_the_targets_platform():
@@ -174,8 +220,9 @@ def test_auto_attention_and_layer_loop_resolve_for_the_targets_platform():
   with config.unlocked():
     config.model.arch.vocab_size = 300
     config.model.attention = config.model.layer_loop = "auto"
+  tok = plan.run_tokenizer(config)
   for platform in ("tpu", "cpu", "gpu"):
-    cfg = plan.model_config(config, platform)
+    cfg = plan.model_config(config, tok, platform)
     assert cfg.attention == resolve_attention("auto", platform), platform
     assert cfg.layer_loop == resolve_layer_loop("auto", platform, config.model.remat), platform
 
