@@ -20,10 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from flax import nnx
+
 from agentgym_jax import caches
 from agentgym_jax import sharding
+from agentgym_jax.rollout import RolloutSettings, run_episodes
 from agentgym_jax.train import asynchronous
 from agentgym_jax.train import config as base
+from test_episodes import SAMPLING, FakePool, _forward_logprobs, _model, tok  # noqa: F401
 from test_trainer import REPO, metrics, training_metrics
 
 CONFIG = "experiments/keypad/learn.py:runlocal"
@@ -109,7 +113,9 @@ def test_weights_are_published_device_to_device_onto_the_rollout_mesh():
   w = jax.device_put(jnp.arange(8.0), jax.sharding.NamedSharding(train_mesh, spec))
   board = asynchronous.WeightBoard(rollout_mesh)
   board.publish(3, {"w": w})
-  got = board.take(3)["w"]
+  version, weights = board.take(3)
+  got = weights["w"]
+  assert version == 3
   assert got.sharding == jax.sharding.NamedSharding(rollout_mesh, spec)
   assert set(got.devices()) == set(jax.devices()[2:4])
   np.testing.assert_array_equal(got, np.arange(8.0))
@@ -117,7 +123,50 @@ def test_weights_are_published_device_to_device_onto_the_rollout_mesh():
   same = asynchronous.WeightBoard(train_mesh)
   same.publish(0, {"w": w})
   w.delete()
-  np.testing.assert_array_equal(same.take(0)["w"], np.arange(8.0))
+  np.testing.assert_array_equal(same.take(0)[1]["w"], np.arange(8.0))
+
+
+def test_with_newest_the_thread_takes_the_newest_weights_published_and_newer_offers_them():
+  board = _board()
+  for version in range(3):
+    board.publish(version, {"w": jnp.full(2, float(version))})
+  assert board.newer(0)[0] == 2 and board.newer(2) is None
+  taken = []
+  thread = asynchronous.RolloutThread(lambda s, p, v: taken.append(v) or s, board,
+                                      first_step=0, total_steps=1, max_staleness=1,
+                                      newest=True)
+  assert thread.next() == 0
+  thread.close()
+  assert taken == [2]
+
+
+# ----- partial rollouts: new weights between turns, the cache prefilled again ------------------
+
+def test_a_partial_rollout_continues_with_new_weights_from_a_cache_they_computed(tok):
+  old, new = _model(tok, seed=0), _model(tok, seed=1)
+  graphdef, old_state = nnx.split(old)
+  asked = []
+
+  def weights(version):
+    asked.append(version)
+    return (1, nnx.state(new)) if len(asked) == 2 else None  # before the batch's 2nd turn
+
+  settings = RolloutSettings(sampling=SAMPLING, max_turns=4, max_context=1024, compact=False)
+  # FakePool: task k lasts k % 4 + 1 turns.
+  traj, stats = run_episodes((graphdef, old_state), tok, FakePool(), [1, 2, 3, 5], settings,
+                             rng=3, version=0, weights=weights)
+  assert asked == [0, 0, 1, 1]
+  assert [e.policy_versions for e in stats["episodes"]] == [[0, 1], [0, 1, 1], [0, 1, 1, 1],
+                                                            [0, 1]]
+  # Each turn's tokens were sampled by its version's weights over a context they computed: the
+  # sampler's log-probs are a full forward's of that model. A cache kept from the old weights
+  # would give the new turns other log-probs.
+  mask, turn = np.asarray(traj.loss_mask), np.asarray(traj.turn_index)
+  sampled = np.asarray(traj.sample_logprobs)
+  first, later = mask & (turn == 0), mask & (turn >= 1)
+  np.testing.assert_allclose(sampled[first], _forward_logprobs(old, traj)[first], atol=1e-4)
+  np.testing.assert_allclose(sampled[later], _forward_logprobs(new, traj)[later], atol=1e-4)
+  assert np.abs(sampled[later] - _forward_logprobs(old, traj)[later]).max() > 1e-2
 
 
 # ----- settings --------------------------------------------------------------------------------
@@ -145,6 +194,8 @@ def test_bad_async_settings_stop_the_run_saying_what_to_change():
     asynchronous.AsyncSettings.from_config(_config(devices=jax.device_count()))
   with pytest.raises(ValueError, match="must be >= 0"):
     asynchronous.AsyncSettings.from_config(_config(max_staleness=-1))
+  with pytest.raises(ValueError, match="partial=True needs rollout.max_staleness > 0"):
+    asynchronous.AsyncSettings.from_config(_config(partial=True))
 
 
 # ----- whole runs through the command line -----------------------------------------------------
@@ -214,8 +265,22 @@ def test_staleness_2_trains_no_batch_older_than_2_updates_and_records_versions(
     with open(os.path.join(workdir, "trajectories", f"step_{m['step']}.jsonl")) as f:
       records = [json.loads(line) for line in f]
     assert len(records) == 8
-    assert {r["policy_version"] for r in records} == {m["async/policy_version"]}
-    assert all(m["step"] - 1 - r["policy_version"] <= 2 for r in records)
+    versions = {v for r in records for v in r["policy_versions"]}
+    assert versions == {m["async/policy_version"]}
+    assert all(m["step"] - 1 - v <= 2 for v in versions)
+
+
+def test_partial_rollouts_keep_every_turn_within_the_bound(tmp_path, compile_cache):
+  workdir = str(tmp_path / "run")
+  train(workdir, compile_cache, "--config.total_steps=3", "--config.rollout.max_staleness=1",
+        "--config.rollout.partial=True", "--config.algo.tis_cap=2.0",
+        "--config.log.trajectories_every=1", "--config.log.trajectories_episodes=8")
+  for m in metrics(workdir):
+    assert m["async/staleness"] <= 1 and m["async/staleness_mean"] <= m["async/staleness"]
+    with open(os.path.join(workdir, "trajectories", f"step_{m['step']}.jsonl")) as f:
+      versions = {v for line in f for v in json.loads(line)["policy_versions"]}
+    # Trained by version step - 1: every turn sampled by it or the one before.
+    assert versions <= {m["step"] - 2, m["step"] - 1}, versions
 
 
 def test_an_async_run_whose_episodes_all_fail_stops_with_a_checkpoint_and_resumes(

@@ -115,6 +115,8 @@ class DecodeBatch:
     weights = jnp.dtype(jax.tree.leaves(state)[0].dtype).name
     self.cfg = dataclasses.replace(nnx.merge(graphdef, state).cfg, param_dtype=weights)
     self.graphdef, self.state, self.mesh, self.limit = graphdef, state, mesh, limit
+    # The policy version of `state` (`run_episodes`' `version`, `weights`); None: unknown.
+    self.version: int | None = None
     self.max_reply_tokens = max_reply_tokens
     length = sampler.cache_bucket(0, limit) if grow else limit
     platform = None if mesh is None else mesh.devices.flat[0].platform

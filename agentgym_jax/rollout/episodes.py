@@ -46,6 +46,11 @@ when ITS rows are done, with no synchronisation between the groups at every samp
 On a multi-core CPU host expose the cores as devices
 (`XLA_FLAGS=--xla_force_host_platform_device_count=N`) and use `replicas=N`.
 
+Partial rollouts (`weights`, asynchronous training: docs/async.md): before each turn a batch
+may take newer weights; its rows are then emptied and the turn prefills each episode's whole
+context with them, so no key or value computed by other weights is ever read. Each turn's
+reply records the version that sampled it (`Episode.policy_versions`).
+
 Randomness: episode e draws with key fold_in(fold_in(split(rng, B)[e], turn), step), so its
 samples do not depend on which other episodes share the batch, on compaction or on replicas.
 `rows` runs only some of the B episodes (a process's share of a multi-host batch, see
@@ -123,8 +128,9 @@ class _Episodes:
   """The host side of a rollout: each episode's record, where its cache row stands, and the
   rules that end it. Both schedules drive the batches through these methods."""
 
-  def __init__(self, episodes: list[Episode], tok: ChatTokenizer, settings: RolloutSettings):
-    self.episodes, self.tok, self.settings = episodes, tok, settings
+  def __init__(self, episodes: list[Episode], tok: ChatTokenizer, settings: RolloutSettings,
+               weights: Callable[[int], tuple[int, nnx.State] | None] | None = None):
+    self.episodes, self.tok, self.settings, self.weights = episodes, tok, settings, weights
     self.cap = settings.sampling.max_reply_tokens
     self.end_ids = tuple(tok.end_of_turn_ids)
     num = len(episodes)
@@ -187,16 +193,34 @@ class _Episodes:
     if compact and live.sum() * 2 <= batch.rows:
       _compact(batch, live)
       live = self.live_rows(batch)
+    newer = self.weights(batch.version) if self.weights is not None else None
+    if newer is not None:
+      self.reload(batch, *newer)
     self.start_turns(batch, live)
     self.decode(batch, live)
     return live
 
+  def reload(self, batch: DecodeBatch, version: int, state: nnx.State) -> None:
+    """Puts version `version`'s weights in `batch`: every row is emptied, so the next turn
+    prefills its whole context again with them. A cache computed by other weights is never
+    read (docs/async.md: what reusing it would cost)."""
+    batch.state = state if self.settings.replicas == 1 else state_on(state, batch.mesh)
+    batch.version = version
+    rows = batch.episode_of_row >= 0
+    batch.rewind(rows, np.zeros(batch.rows, np.int64))
+    self.in_cache[batch.episode_of_row[rows]] = 0
+    self.window_start[batch.episode_of_row[rows]] = 0
+
   def take_replies(self, batch: DecodeBatch, live: np.ndarray, sampled: tuple[np.ndarray, ...]
                    ) -> tuple[list[int], list[str]]:
     """Records the turn rows `live` sampled (`sampled`: the batch's fetched turn tokens,
-    log-probs and counts); returns their episodes and reply texts."""
+    log-probs and counts) and the version that sampled them; returns their episodes and reply
+    texts."""
     tokens, logprobs, counts = sampled
     slots = [int(ep) for ep in batch.episode_of_row[live]]
+    if batch.version is not None:
+      for ep in slots:
+        self.episodes[ep].policy_versions.append(batch.version)
     return slots, [self.take_reply(ep, tokens[row], logprobs[row], int(counts[row]))
                    for ep, row in zip(slots, np.flatnonzero(live))]
 
@@ -355,7 +379,8 @@ def _overlapped(host: _Episodes, batches: list[DecodeBatch], pool: Any, compact:
 def run_episodes(policy: tuple[nnx.GraphDef, nnx.State], tok: ChatTokenizer, pool: Any,
                  task_ids: Sequence[int], settings: RolloutSettings, *, rng: Any = 0,
                  mesh: Mesh | None = None, rows: Sequence[int] | None = None,
-                 on_ended: Callable[[int], None] | None = None
+                 on_ended: Callable[[int], None] | None = None, version: int | None = None,
+                 weights: Callable[[int], tuple[int, nnx.State] | None] | None = None
                  ) -> tuple[Trajectory, dict[str, Any]]:
   """Runs len(task_ids) * settings.group_size episodes to the end; returns them as a Trajectory.
 
@@ -376,6 +401,12 @@ def run_episodes(policy: tuple[nnx.GraphDef, nnx.State], tok: ChatTokenizer, poo
       batch.
     on_ended: called after the openings and whenever episodes end, with their number (e.g. a
       progress bar's `update`).
+    version: the policy version of `policy` (updates its weights had), recorded per turn in
+      each episode's `policy_versions` (None: nothing recorded, e.g. in evaluation).
+    weights: partial rollouts (asynchronous training; needs `version`): called with a
+      batch's version before each of its turns; newer weights it returns, (version, state)
+      placed as `policy`'s state, sample from that turn on, each row's context prefilled
+      again with them (never a cache computed by other weights).
 
   Returns:
     The Trajectory [B, L] (B = len(task_ids) * group_size) and stats: rollout throughput,
@@ -398,11 +429,13 @@ def run_episodes(policy: tuple[nnx.GraphDef, nnx.State], tok: ChatTokenizer, poo
   num = len(episodes)
   if num == 0:
     raise ValueError("run_episodes needs at least one task id (and one row).")
+  if weights is not None and version is None:
+    raise ValueError("run_episodes: `weights` (partial rollouts) needs the policy's `version`.")
   acknowledgement = s.acknowledgement
   if acknowledgement is None:
     acknowledgement = getattr(getattr(pool, "env_cls", None), "acknowledgement",
                               DEFAULT_ACKNOWLEDGEMENT)
-  host = _Episodes(episodes, tok, s)
+  host = _Episodes(episodes, tok, s, weights)
   for i, out in enumerate(pool.reset([e.task_id for e in episodes])):
     host.open(i, out, s.system_prompt, acknowledgement)
   if on_ended is not None:
@@ -421,6 +454,7 @@ def run_episodes(policy: tuple[nnx.GraphDef, nnx.State], tok: ChatTokenizer, poo
       batch = DecodeBatch(graphdef, replica_state, -(-len(cohort) // shards) * shards, limit,
                           s.grow_cache, replica_mesh, s.sampling.max_reply_tokens)
       batch.assign(cohort, episode_keys)
+      batch.version = version
       batches.append(batch)
 
   if s.overlap_env:

@@ -74,8 +74,8 @@ def episode_record(traj: Trajectory, row: int, decode, episode: Episode | None =
                   messages=episode.messages, turns=episode_turns(episode))
     if episode.failed:
       record["error"] = episode.error
-    if episode.policy_version is not None:
-      record["policy_version"] = episode.policy_version
+    if episode.policy_versions:
+      record["policy_versions"] = episode.policy_versions
   record["segments"] = [dict(seg, text=decode(seg["tokens"])) for seg in segments(traj, row)]
   return record
 

@@ -116,9 +116,9 @@ class Episode:
   truncated: bool = False
   stop_reason: str = ""
   error: str = ""
-  # The policy version (updates its weights had) that sampled every agent token, where the
-  # trainer records it (asynchronous rollout, train/asynchronous.py); None: not recorded.
-  policy_version: int | None = None
+  # The policy version (updates its weights had) that sampled each turn's reply: one per turn,
+  # all equal unless the rollout took newer weights mid-episode (`run_episodes`' `weights`).
+  policy_versions: list[int] = dataclasses.field(default_factory=list)
 
   @property
   def failed(self) -> bool:

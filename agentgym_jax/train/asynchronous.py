@@ -20,6 +20,12 @@ current policy (the proximal policy of decoupled PPO, AReaL arXiv 2505.24298) an
 importance sampling weighs each token by min(pi_prox / pi_sampler, algo.tis_cap) with the
 sampler's own log-probs (`losses.tis_weights`), so k > 0 needs `algo.tis_cap > 0`.
 
+Partial rollouts (`rollout.partial`): the thread starts step i with the newest weights out
+(never older than i - k), and an episode in flight takes weights published since at its next
+turn, its context prefilled again with them (rollout/episodes.py: a KV cache never outlives the
+weights that computed it). Each turn records its version; the batch's oldest bounds it. The run
+then depends on the threads' timing, hence off by default.
+
 Devices: with `rollout.devices = n`, the last n devices of the host roll out on their own mesh
 (`config.mesh`'s axes over them) and the others train; after each update the trainer publishes
 its weights to them with a device-to-device `jax.device_put` onto the same partition specs on
@@ -67,10 +73,12 @@ _POLL_S = 0.1
 
 @dataclasses.dataclass(frozen=True)
 class AsyncSettings:
-  """`rollout.max_staleness` (k) and `rollout.devices` (the rollout group's device count)."""
+  """`rollout.max_staleness` (k), `rollout.devices` (the rollout group's device count) and
+  `rollout.partial` (episodes in flight take newer weights between turns)."""
 
   max_staleness: int = 0
   rollout_devices: int = 0
+  partial: bool = False
 
   @property
   def enabled(self) -> bool:
@@ -83,7 +91,11 @@ class AsyncSettings:
     k, n = config.rollout.max_staleness, config.rollout.devices
     if k < 0 or n < 0:
       raise ValueError(f"rollout.max_staleness={k} and rollout.devices={n} must be >= 0.")
-    settings = cls(max_staleness=int(k), rollout_devices=int(n))
+    settings = cls(max_staleness=int(k), rollout_devices=int(n),
+                   partial=bool(config.rollout.partial))
+    if settings.partial and k == 0:
+      raise ValueError("rollout.partial=True needs rollout.max_staleness > 0 (at 0 no newer "
+                       "weights come out during a step's rollout).")
     if not settings.enabled:
       return settings
     if config.mode != "rl":
@@ -137,16 +149,25 @@ class WeightBoard:
       self._weights[version] = moved
       self._changed.notify_all()
 
-  def take(self, version: int) -> Any | None:
-    """Version `version`'s weights once published (None once the board is closed)."""
+  def take(self, version: int, newest: bool = False) -> tuple[int, Any] | None:
+    """(version, weights) once version `version` is published, or with `newest` the newest
+    published from it on; None once the board is closed."""
     with self._changed:
       while version not in self._weights and not self._closed:
         self._changed.wait(_POLL_S)
       if self._closed:
         return None
+      if newest:
+        version = max(self._weights)
       for old in [v for v in self._weights if v < version]:
         del self._weights[old]
-      return self._weights[version]
+      return version, self._weights[version]
+
+  def newer(self, version: int) -> tuple[int, Any] | None:
+    """(version, weights) of the newest version published after `version`, else None."""
+    with self._changed:
+      newest = max(self._weights, default=-1)
+      return (newest, self._weights[newest]) if newest > version else None
 
   def versions(self) -> list[int]:
     with self._changed:
@@ -173,13 +194,14 @@ class RolloutThread:
   """A thread that samples steps `first_step` .. `total_steps - 1` in order, each with the
   weights `board.take(version_for(step))`, into a queue of at most max(k, 1) finished steps.
 
-  `sample(step, params, version)` draws one step (`batches.sample_step` in a run). `next()`
-  hands the steps over in order; an error in `sample` reaches `next()` as `RolloutFailed`
-  after the steps finished before it, so none of those is lost."""
+  `sample(step, params, version)` draws one step (`batches.sample_step` in a run); with
+  `newest` it gets the newest weights published by then, not older than `version_for(step)`.
+  `next()` hands the steps over in order; an error in `sample` reaches `next()` as
+  `RolloutFailed` after the steps finished before it, so none of those is lost."""
 
   def __init__(self, sample: Callable[[int, Any, int], Any], board: WeightBoard, *,
-               first_step: int, total_steps: int, max_staleness: int):
-    self.sample, self.board = sample, board
+               first_step: int, total_steps: int, max_staleness: int, newest: bool = False):
+    self.sample, self.board, self.newest = sample, board, newest
     self.first_step, self.total_steps, self.max_staleness = (first_step, total_steps,
                                                              max_staleness)
     self._queue: queue.Queue = queue.Queue(maxsize=max(max_staleness, 1))
@@ -195,9 +217,8 @@ class RolloutThread:
   def _run(self) -> None:
     try:
       for step in range(self.first_step, self.total_steps):
-        version = self.version_for(step)
-        params = self.board.take(version)
-        if params is None or not self._put(self.sample(step, params, version)):
+        taken = self.board.take(self.version_for(step), newest=self.newest)
+        if taken is None or not self._put(self.sample(step, taken[1], taken[0])):
           return  # the run is closing
     except BaseException as exc:  # pylint: disable=broad-except
       # Handed to the main thread, behind the steps finished before it.
@@ -264,7 +285,8 @@ class AsyncRollout:
     def sample(step: int, params: Any, version: int) -> batches.Sampled:
       sampled = batches.sample_step(rollout_inputs, params, rng=rng, step=step,
                                     cursor=cursors[0], version=version,
-                                    max_turns=schedule.max_turns(config.schedule, step))
+                                    max_turns=schedule.max_turns(config.schedule, step),
+                                    weights=self.board.newer if settings.partial else None)
       cursors[0] = sampled.cursor
       return sampled
 
@@ -272,7 +294,7 @@ class AsyncRollout:
     self.publish(state)
     self.thread = RolloutThread(sample, self.board, first_step=first_step,
                                 total_steps=config.total_steps,
-                                max_staleness=settings.max_staleness)
+                                max_staleness=settings.max_staleness, newest=settings.partial)
 
   def publish(self, state: state_lib.TrainState) -> None:
     """The state's policy, in the rollout's compute dtype, as version `state.step`."""
@@ -282,8 +304,9 @@ class AsyncRollout:
   def batch(self, inputs: batches.StepInputs, state: state_lib.TrainState, step: int,
             cursor: int, max_turns: int, saving: bool) -> batches.StepBatch:
     """Step `step`'s batch (the loop's `make_batch`): the thread's next finished step, scored
-    by `state`. Adds async/ metrics: the sampler's version, its staleness and the seconds the
-    trainer waited for the batch."""
+    by `state`. Adds async/ metrics: the version of the batch's first turns (its oldest), its
+    staleness, the mean staleness of the turns (lower with partial rollouts) and the seconds
+    the trainer waited for the batch."""
     start = time.perf_counter()
     sampled = self.thread.next()
     waited = time.perf_counter() - start
@@ -298,10 +321,11 @@ class AsyncRollout:
                          f"{trained_by}), task {cursor}, {max_turns} turns: a bug in "
                          "train/asynchronous.py.")
     got = batches.scored_batch(inputs, state, sampled, saving=saving)
-    for episode in got.episodes:
-      episode.policy_version = sampled.version
+    turns = [v for e in got.episodes for v in e.policy_versions] or [sampled.version]
     got.metrics.update({"async/policy_version": float(sampled.version),
-                        "async/staleness": float(staleness), "time/rollout_wait": waited})
+                        "async/staleness": float(staleness),
+                        "async/staleness_mean": trained_by - float(np.mean(turns)),
+                        "time/rollout_wait": waited})
     return got
 
   def close(self) -> None:

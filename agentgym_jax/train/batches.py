@@ -167,12 +167,14 @@ def bc_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor:
 
 
 def _sample(inputs: StepInputs, params: Any, task_ids: list[int], max_turns: int,
-            key: jax.Array) -> tuple[Any, dict[str, Any]]:
+            key: jax.Array, version: int, weights: Callable | None
+            ) -> tuple[Any, dict[str, Any]]:
   """This process's rows of a batch rolled out on its devices, gathered on every process."""
   settings = dataclasses.replace(inputs.rollout, max_turns=max_turns)
   mine = inputs.share.rows(inputs.rows)  # this process's rows (None: all of them)
   traj, stats = run_episodes((inputs.policy_def, params), inputs.tok, inputs.pool, task_ids,
-                             settings, rng=key, mesh=inputs.share.mesh, rows=mine)
+                             settings, rng=key, mesh=inputs.share.mesh, rows=mine,
+                             version=version, weights=weights)
   traj, stats["episodes"] = multihost.gather_trajectory(traj, stats["episodes"], mine,
                                                         inputs.tok.pad_id)
   return traj, stats
@@ -211,20 +213,22 @@ def rollout_params(inputs: StepInputs, policy: Any) -> Any:
 
 
 def sample_step(inputs: StepInputs, params: Any, *, rng: Any, step: int, cursor: int,
-                max_turns: int, version: int) -> Sampled:
+                max_turns: int, version: int, weights: Callable | None = None) -> Sampled:
   """The policy's rollouts of the step's tasks from `cursor` (more rounds with dynamic
   sampling), sampled with `params` (`rollout_params`, of policy `version`) on `inputs`' mesh;
-  `rng` is the run's raw key data (`state.rng`)."""
+  `rng` is the run's raw key data (`state.rng`); `weights`: newer weights episodes take up
+  between turns (partial rollouts, `run_episodes`). `version` is that of the first turns: the
+  oldest weights of the batch."""
   config, spec = inputs.config, inputs.spec
   tasks = config.data.batch_tasks
   start = time.perf_counter()
   task_ids = inputs.stream.take(cursor, tasks)
   key = state_lib.step_key(jax.device_get(rng), step, state_lib.ROLLOUT_STREAM)
-  traj, stats = _sample(inputs, params, task_ids, max_turns, key)
+  traj, stats = _sample(inputs, params, task_ids, max_turns, key, version, weights)
   drawn, logged = 1, {}
   if spec.dynamic_sampling:  # DAPO: more rounds of tasks until the groups carry signal
     draw = lambda r: _sample(inputs, params, inputs.stream.take(cursor + r * tasks, tasks),
-                             max_turns, jax.random.fold_in(key, r))
+                             max_turns, jax.random.fold_in(key, r), version, weights)
     traj, stats, drawn, logged = dynamic_sampling.sample_until_full(
         (traj, stats), draw, batch_tasks=tasks,
         group_size=config.data.group_size, max_extra_rounds=spec.dynamic_sampling_max_rounds,

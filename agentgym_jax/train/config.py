@@ -217,6 +217,9 @@ def base_config() -> ml_collections.ConfigDict:
   # weights of update i - k while the trainer updates, so neither waits for the other; needs
   # algo.tis_cap > 0 to correct for the lag. 0: the synchronous loop (sample, then update).
   c.rollout.max_staleness = 0
+  # Partial rollouts (with max_staleness > 0): an episode in flight takes the newest weights
+  # at its next turn, its context prefilled again with them; runs then depend on timing.
+  c.rollout.partial = False
   # Devices of the rollout's own mesh (the last n of the host's; the trainer keeps the rest),
   # which get the weights device to device after every update. 0: the trainer's mesh.
   c.rollout.devices = 0
