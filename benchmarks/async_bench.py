@@ -17,7 +17,8 @@ stale policy's episodes differ a little in length). Prints both runs and their
 rollout/update times; the last line is `ratio: <async trained tokens/s / sync>`.
 
 The ratio measures the machine as much as the code: run it on a quiet machine (the load
-average is printed before and after; benchmarks/README.md has the numbers).
+average is printed at the start and before the result, with a warning above one process per
+CPU; benchmarks/README.md has the numbers).
 
     .venv/bin/python benchmarks/async_bench.py [--env_latency 0.05 --steps 8 --staleness 1
         --rollout_devices 0]
@@ -31,6 +32,8 @@ import os
 import subprocess
 import sys
 import tempfile
+
+import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "experiments/keypad/learn.py:algo=grpo"
@@ -81,7 +84,7 @@ def main() -> None:
                   "--config.algo.tis_cap=2.0",
                   f"--config.rollout.devices={args.rollout_devices}"]
   runs = {"sync": ([], 1), "async": (asynchronous, 1 + args.rollout_devices)}
-  print(f"load average before: {os.getloadavg()}", flush=True)
+  loadavg.report("start")
   results = {}
   with tempfile.TemporaryDirectory() as tmp:
     cache = os.path.join(tmp, "jax_cache")
@@ -96,7 +99,7 @@ def main() -> None:
             f"{r['tokens_per_s']:.1f} tokens/s; per step: rollout {r['rollout_s']:.2f} s, "
             f"update {r['update_s']:.2f} s, waited for the rollout {r['wait_s']:.2f} s; "
             f"training success {r['success']:.2f}", flush=True)
-  print(f"load average after: {os.getloadavg()}")
+  loadavg.report("end")
   print(f"ratio: {results['async']['tokens_per_s'] / results['sync']['tokens_per_s']:.3f}")
 
 

@@ -43,6 +43,9 @@ CASES = [
                                      "--repeats", "1"], RATIO, id="memory"),
     pytest.param("run_memory_bench.py", [], r"peak RSS: \d+ MiB", id="run-memory",
                  marks=pytest.mark.slow),
+    # Four short training runs (a warm-up and a timed run of each mode).
+    pytest.param("async_bench.py", ["--steps", "2", "--env_latency", "0.01"], RATIO,
+                 id="async", marks=pytest.mark.slow),
 ]
 
 
