@@ -22,10 +22,11 @@ the config's largest shapes:
 
   rollout_extend  append a chunk of 512 tokens to one host's rows of the KV cache
   rollout_decode  sample a whole turn into that cache (max_reply_tokens)
-  score_logprobs  reference (and, off-policy, old) log-probs of the step's batch, when it
-                  scores any
+  score_logprobs  reference (and, off-policy, old) log-probs of the step's batch
   score_values    the critic's values (PPO/GAE only)
   update          epochs x minibatches optimizer updates
+
+each of them that the step runs (`Run.programs`: behaviour cloning runs the update only).
 
 Each host rolls out its own rows on its own chips (agentgym_jax/multihost.py), so the rollout
 programs compile for one host of the slice's generation (a compile for part of a slice's
@@ -44,7 +45,7 @@ as for the trainer (agentgym_jax/caches.py): a run of the same config on the sam
 started with that cache loads them instead of compiling them (docs/tpu.md, "A pod that starts
 warm"). For that the plan lowers what the trainer lowers, argument for argument: the
 tokenizer's end-of-turn ids (a static argument of the decode), the rows sharded as
-`sharding.shard_batch` puts them, and only the scorers the step runs.
+`sharding.shard_batch` puts them, and only the programs the step runs.
 
 Exit status 0 when every program fits, 1 with one line naming the first that does not.
 """
@@ -183,10 +184,16 @@ class Run:
     return self.config.data.batch_tasks * self.config.data.group_size
 
   @property
-  def scores_logprobs(self) -> bool:
-    """Whether the step scores log-probs: old ones (unless the update's own forward gives
-    them, `old_logprobs_from_update`) or the reference's (`train/batches.py`, rl_batch)."""
-    return not self.spec.old_logprobs_from_update or self.spec.keep_reference
+  def programs(self) -> tuple[str, ...]:
+    """The programs a step runs (train/batches.py): behaviour cloning only the update, on the
+    expert's demonstrations; RL its rollout, log-probs when it scores any (old ones unless the
+    update's own forward gives them, `old_logprobs_from_update`, or the reference's), values
+    with a critic, and the update."""
+    if self.config.mode == "bc":
+      return ("update",)
+    logprobs = not self.spec.old_logprobs_from_update or self.spec.keep_reference
+    return ("rollout_extend", "rollout_decode", *("score_logprobs",) * logprobs,
+            *("score_values",) * self.spec.use_critic, "update")
 
   @property
   def length(self) -> int:
@@ -235,10 +242,11 @@ def step_flops(run: Run) -> dict[str, float]:
   scorers = int(not run.spec.old_logprobs_from_update) + int(run.spec.keep_reference)
   passes = 4 if cfg.remat else 3
   models = fwd + (critic_fwd if run.spec.use_critic else 0.0)
+  ran = run.programs
   return {
-      "rollout": fwd,
-      "score_logprobs": scorers * fwd,
-      "score_values": critic_fwd if run.spec.use_critic else 0.0,
+      "rollout": fwd if "rollout_decode" in ran else 0.0,
+      "score_logprobs": scorers * fwd if "score_logprobs" in ran else 0.0,
+      "score_values": critic_fwd if "score_values" in ran else 0.0,
       "update": run.update_cfg.epochs * passes * models,
   }
 
@@ -361,7 +369,7 @@ PROGRAMS = ("rollout_extend", "rollout_decode", "score_logprobs", "score_values"
 def plan(config: ml_collections.ConfigDict, target: Target,
          report: Callable[[Program], None] = lambda p: None,
          only: tuple[str, ...] = PROGRAMS) -> tuple[list[Program], dict[str, float]]:
-  """Compiles the programs of one step of `config` on `target` (those named in `only`):
+  """Compiles the programs one step of `config` runs on `target` (those named in `only`):
   (the programs, the step's FLOPs per stage). `report` sees each program as it finishes (a 7B
   update takes minutes)."""
   run = Run.build(config, target.devices())
@@ -369,7 +377,7 @@ def plan(config: ml_collections.ConfigDict, target: Target,
   programs = []
 
   def compile_program(name, lower, resident=0):  # pylint: disable=redefined-outer-name
-    if name in only:
+    if name in only and name in run.programs:
       programs.append(_compile(name, lower, resident))
       report(programs[-1])
 
@@ -380,10 +388,9 @@ def plan(config: ml_collections.ConfigDict, target: Target,
       run.policy_def, run.critic_def, run.update_cfg.temperature, chunks, run.mesh,
       compute_dtype=run.update_cfg.compute_dtype)
   tokens, valid = batch["tokens"], batch["valid"]
-  if run.scores_logprobs:
-    compile_program(
-        "score_logprobs", lambda: score_logprobs.lower(run.state.policy, tokens, valid),
-        resident=state_bytes - per_chip_bytes(run.state.policy) + per_chip_bytes(batch))
+  compile_program(
+      "score_logprobs", lambda: score_logprobs.lower(run.state.policy, tokens, valid),
+      resident=state_bytes - per_chip_bytes(run.state.policy) + per_chip_bytes(batch))
   if score_values is not None:
     compile_program(
         "score_values", lambda: score_values.lower(run.state.critic, tokens, valid),

@@ -11,6 +11,7 @@ import time
 
 import json
 
+import jax
 import pytest
 import tpu_slices
 
@@ -225,6 +226,29 @@ def test_auto_attention_and_layer_loop_resolve_for_the_targets_platform():
     cfg = plan.model_config(config, tok, platform)
     assert cfg.attention == resolve_attention("auto", platform), platform
     assert cfg.layer_loop == resolve_layer_loop("auto", platform, config.model.remat), platform
+
+
+@pytest.mark.parametrize("arg, overrides, programs", [
+    ("algo=ppo", {}, ("rollout_extend", "rollout_decode", "score_values", "update")),
+    # On-policy without a reference, the update's own forward gives the old log-probs.
+    ("algo=grpo", {}, ("rollout_extend", "rollout_decode", "update")),
+    ("algo=grpo", {"algo.kl_coef": 0.01},
+     ("rollout_extend", "rollout_decode", "score_logprobs", "update")),
+    ("algo=grpo", {"algo.epochs": 2},  # a second epoch is off-policy: old log-probs scored
+     ("rollout_extend", "rollout_decode", "score_logprobs", "update")),
+    ("algo=grpo", {"mode": "bc"}, ("update",)),  # demonstrations: no rollout, no scoring
+])
+def test_the_plan_compiles_the_programs_the_step_runs(arg, overrides, programs):
+  config = _experiment("experiments/keypad/learn.py").get_config(f"{arg},runlocal")
+  with config.unlocked():
+    config.update_from_flattened_dict(overrides)
+  run = plan.Run.build(config, jax.devices()[:1])
+  assert run.programs == programs
+  # The FLOPs line counts the stages the step runs, and only those.
+  program_of = {"rollout": "rollout_decode"}
+  flops = plan.step_flops(run)
+  assert [stage for stage, value in flops.items() if value] == [
+      stage for stage in flops if program_of.get(stage, stage) in programs]
 
 
 @pytest.mark.slow
