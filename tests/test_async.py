@@ -309,6 +309,18 @@ def test_an_async_run_whose_episodes_all_fail_stops_with_a_checkpoint_and_resume
 
 
 @pytest.mark.slow
+def test_a_resumed_run_at_staleness_0_on_its_own_devices_equals_an_uninterrupted_one(
+    tmp_path, compile_cache):
+  split = ["--config.rollout.devices=2"]
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  train(straight, compile_cache, "--config.total_steps=3", *split, devices=4)
+  train(resumed, compile_cache, "--config.total_steps=2", *split, devices=4)
+  train(resumed, compile_cache, "--config.total_steps=3", *split, devices=4)
+  assert ([training_metrics(m) for m in metrics(resumed)]
+          == [training_metrics(m) for m in metrics(straight)])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("staleness", [1, 2])
 def test_grpo_learns_keypad_from_scratch_with_stale_rollouts(staleness, tmp_path, compile_cache):
   start = time.perf_counter()
