@@ -90,9 +90,10 @@ def _plan(*args, timeout=600, cpu_devices=None):
 
 
 @pytest.mark.usefixtures("libtpu")
-def test_a_tiny_models_whole_step_compiles_for_v5e_16_within_two_minutes():
+def test_a_tiny_models_whole_step_compiles_for_v5e_16_within_two_minutes(tmp_path):
   start = time.perf_counter()
-  result = _plan("--topology=v5e-16", "--config=" + TINY[0], *TINY[1:])
+  result = _plan("--topology=v5e-16", "--config=" + TINY[0], *TINY[1:],
+                 f"--config.compile.cache_dir={tmp_path}")
   seconds = time.perf_counter() - start
   assert result.returncode == 0, result.stderr[-2000:]
   lines = result.stdout.splitlines()
@@ -101,6 +102,13 @@ def test_a_tiny_models_whole_step_compiles_for_v5e_16_within_two_minutes():
     [line] = [l for l in lines if l.startswith(program + " ")]
     assert line.split()[-1] == "yes", line
   assert any(l.startswith("Model FLOPs per step") for l in lines), result.stdout
+  # Every program went into the cache a run on a v5e-16 would read (the scorers and the
+  # update are traced under the mesh).
+  saved = sorted(name.split("-")[0] for name in os.listdir(tmp_path))
+  assert [n for n in saved if n in ("jit_extend", "jit_decode", "jit_under_mesh")] == [
+      "jit_decode", "jit_extend"] + ["jit_under_mesh"] * 3, saved
+  assert lines[-1].startswith(f"Compiled programs saved in {tmp_path}: a run of this config "
+                              "on a v5e-16 slice"), lines[-1]
   # The bound catches a compile that takes minutes (a program unrolled per layer or per row),
   # not the machine's load (it took 65 s beside a training run).
   assert seconds < 120, seconds
