@@ -176,8 +176,9 @@ class Run:
     state = jax.eval_shape(lambda p, c: state_lib.init_train_state(
         policy=p, critic=c, keep_reference=spec.keep_reference, optimizers=optimizers,
         seed=0, shardings=split.shardings), split.policy, split.critic)
-    return cls(config, cfg, tuple(tok.end_of_turn_ids), mesh, platform, spec, update_cfg, split.policy_def,
-               split.critic_def, optimizers, split.shardings, _abstract(state, split.shardings))
+    return cls(config, cfg, tuple(tok.end_of_turn_ids), mesh, platform, spec, update_cfg,
+               split.policy_def, split.critic_def, optimizers, split.shardings,
+               _abstract(state, split.shardings))
 
   @property
   def rows(self) -> int:
@@ -478,6 +479,7 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = cli.config_from_flag()
+  cli.use_compilation_cache(config)  # before anything compiles: the programs go there
   try:
     target = targets.parse(flags.FLAGS.topology, flags.FLAGS.memory_gib)
     target.devices(one_host=True)
@@ -485,7 +487,6 @@ def main(argv: list[str]) -> None:
     cli.fatal(str(exc))
   except (ImportError, RuntimeError) as exc:  # libtpu's, for a slice's devices
     cli.fatal(f"--topology: {exc} (libtpu comes with pip install -e '.[tpu]')")
-  cli.use_compilation_cache(config)
   print(header(flags.FLAGS["config"].config_filename, target), flush=True)
   done = []
 
