@@ -321,17 +321,21 @@ def test_a_resumed_run_at_staleness_0_on_its_own_devices_equals_an_uninterrupted
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness", [1, 2])
-def test_grpo_learns_keypad_from_scratch_with_stale_rollouts(staleness, tmp_path, compile_cache):
+@pytest.mark.parametrize("staleness,partial", [(1, False), (2, False), (2, True)])
+def test_grpo_learns_keypad_from_scratch_with_stale_rollouts(staleness, partial, tmp_path,
+                                                             compile_cache):
   start = time.perf_counter()
   train(str(tmp_path), compile_cache, f"--config.rollout.max_staleness={staleness}",
-        "--config.algo.tis_cap=2.0", config="experiments/keypad/learn.py:algo=grpo",
-        timeout=1800, evaluate=True)
+        f"--config.rollout.partial={partial}", "--config.algo.tis_cap=2.0",
+        config="experiments/keypad/learn.py:algo=grpo", timeout=1800, evaluate=True)
   lines = metrics(str(tmp_path))
   success = [m["episodes/success_rate"] for m in lines if "episodes/success_rate" in m]
-  print(f"\nstaleness {staleness}: {time.perf_counter() - start:.0f} s, success by step "
-        f"{[round(s, 2) for s in success]}, held-out greedy {lines[-1]['eval/success_rate']}")
-  assert max(m.get("async/staleness", 0) for m in lines) == staleness
+  print(f"\nstaleness {staleness}, partial {partial}: {time.perf_counter() - start:.0f} s, "
+        f"success by step {[round(s, 2) for s in success]}, "
+        f"held-out greedy {lines[-1]['eval/success_rate']}")
+  # Partial rollouts start a step with the newest weights out: at most k stale, maybe fresher.
+  worst = max(m.get("async/staleness", 0) for m in lines)
+  assert worst <= staleness and (partial or worst == staleness)
   assert success[0] < 0.2, success
   assert sum(success[-3:]) / 3 > 0.9, success
   assert lines[-1]["eval/success_rate"] > 0.9

@@ -276,10 +276,12 @@ class AsyncRollout:
       replica_meshes(mesh, config.rollout.replicas)
     except ValueError as exc:
       raise ValueError(f"rollout.replicas on the rollout devices: {exc}") from exc
-    self.pool = envs.make_pool(config)
+    self.board = WeightBoard(mesh)
+    self.publish(state)
+    rng = np.asarray(jax.device_get(state.rng))  # the state's buffers are donated
+    self.pool = envs.make_pool(config)  # last: nothing after it can fail and leave it open
     rollout_inputs = dataclasses.replace(inputs, mesh=mesh, pool=self.pool,
                                          share=multihost.process_share(mesh))
-    rng = np.asarray(jax.device_get(state.rng))  # the state's buffers are donated
     cursors = [cursor]  # the task stream's position, advanced by the thread only
 
     def sample(step: int, params: Any, version: int) -> batches.Sampled:
@@ -290,8 +292,6 @@ class AsyncRollout:
       cursors[0] = sampled.cursor
       return sampled
 
-    self.board = WeightBoard(mesh)
-    self.publish(state)
     self.thread = RolloutThread(sample, self.board, first_step=first_step,
                                 total_steps=config.total_steps,
                                 max_staleness=settings.max_staleness, newest=settings.partial)

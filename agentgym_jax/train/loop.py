@@ -17,6 +17,11 @@ checkpoint and saved trajectories, evaluation, and one record of metrics (`step_
 Sections follow big_vision's trainer: workdir, mesh, tokenizer and environments, model and
 train state, update step, checkpoint, loop.
 
+Asynchronous rollout (`rollout.max_staleness`, `rollout.devices`: train/asynchronous.py,
+docs/async.md): a rollout thread samples the steps' episodes ahead, at most k updates stale, and
+the step's batch is the next one it finished; the trainer publishes its weights to it after
+each update.
+
 Randomness: every step derives its keys from (seed, step) with fold_in, one stream each for
 the rollout, the update's minibatch order and evaluation, so nothing depends on how many
 steps ran in this process.
