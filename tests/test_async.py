@@ -1,9 +1,12 @@
 """Asynchronous rollout (agentgym_jax/train/asynchronous.py, docs/async.md): the rollout
-thread's order, bound and failures with a stand-in sampler, then whole runs of
-experiments/keypad/learn.py:runlocal through the command line: staleness 0 on a device group of
-its own equals the synchronous loop value for value, staleness k records its versions and never
-trains a batch more than k updates old, a run whose environments fail stops as the synchronous
-one does. The keypad learning checks with staleness 1 and 2 are slow:
+thread's order, bound and failures with a stand-in sampler; a partial rollout's turns each
+sampled by a full forward of their weights (the episode runner with two models); then whole
+runs of experiments/keypad/learn.py:runlocal through the command line (the shared compilation
+cache makes reruns fast): staleness 0 on a device group of its own equals the synchronous loop
+value for value, staleness k records its versions and never trains a batch more than k updates
+old, partial rollouts stay within the bound, a run whose environments fail stops as the
+synchronous one does and resumes. Slow: a resumed run at staleness 0 equals an uninterrupted
+one, and the keypad learning checks with staleness 1, 2 and 2 with partial rollouts:
 
   .venv/bin/pytest tests/test_async.py -m slow -q -s
 """
