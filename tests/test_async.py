@@ -28,7 +28,7 @@ from flax import nnx
 from agentgym_jax import caches
 from agentgym_jax import sharding
 from agentgym_jax.rollout import RolloutSettings, run_episodes
-from agentgym_jax.train import asynchronous
+from agentgym_jax.train import asynchronous, batches
 from agentgym_jax.train import config as base
 from test_episodes import SAMPLING, FakePool, _forward_logprobs, _model, tok  # noqa: F401
 from test_trainer import REPO, metrics, training_metrics
@@ -199,6 +199,21 @@ def test_bad_async_settings_stop_the_run_saying_what_to_change():
     asynchronous.AsyncSettings.from_config(_config(max_staleness=-1))
   with pytest.raises(ValueError, match="partial=True needs rollout.max_staleness > 0"):
     asynchronous.AsyncSettings.from_config(_config(partial=True))
+
+
+def test_replicas_are_checked_on_the_rollout_devices_not_the_trainers():
+  if jax.device_count() < 8:
+    pytest.skip("needs 8 devices (tests/conftest.py sets 8)")
+  c = _config(devices=6, replicas=3)
+  c.data.batch_tasks, c.data.group_size = 2, 4
+  train_mesh = sharding.make_mesh(c.mesh, devices=jax.devices()[:2])
+  rollout_mesh = sharding.make_mesh(c.mesh, devices=jax.devices()[2:])
+  batches.check_layout(c, train_mesh, rollout_mesh)  # 3 replicas of 2 devices each
+  with pytest.raises(ValueError, match="rollout.replicas"):
+    batches.check_layout(c, train_mesh)  # the trainer's 2 devices hold no 3 replicas
+  c.rollout.replicas = 4
+  with pytest.raises(ValueError, match="rollout.replicas"):
+    batches.check_layout(c, train_mesh, rollout_mesh)
 
 
 # ----- whole runs through the command line -----------------------------------------------------

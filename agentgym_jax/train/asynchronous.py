@@ -60,10 +60,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import multihost
-from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import schedule
 from agentgym_jax.rollout import envs
-from agentgym_jax.rollout.batch import replica_meshes
 from agentgym_jax.train import batches
 from agentgym_jax.train import state as state_lib
 
@@ -263,25 +261,20 @@ class AsyncRollout:
   weights to the rollout, `close` stops the thread and its environments.
 
   `inputs` are the trainer's (`batches.StepInputs`); the thread samples with a copy of the
-  weights on the rollout mesh and with its own environment pool, steps `first_step` to
+  weights on `rollout_mesh` (the trainer's mesh, or `config.mesh`'s axes over the devices of
+  `device_groups`) and with its own environment pool, steps `first_step` to
   `config.total_steps - 1` from task `cursor` on."""
 
   def __init__(self, config: ml_collections.ConfigDict, settings: AsyncSettings,
                inputs: batches.StepInputs, state: state_lib.TrainState, *, first_step: int,
-               cursor: int, rollout_devices: list[Any] | None):
+               cursor: int, rollout_mesh: Mesh):
     self.settings, self.inputs = settings, inputs
-    mesh = (inputs.mesh if rollout_devices is None
-            else sharding_lib.make_mesh(config.mesh, devices=rollout_devices))
-    try:
-      replica_meshes(mesh, config.rollout.replicas)
-    except ValueError as exc:
-      raise ValueError(f"rollout.replicas on the rollout devices: {exc}") from exc
-    self.board = WeightBoard(mesh)
+    self.board = WeightBoard(rollout_mesh)
     self.publish(state)
     rng = np.asarray(jax.device_get(state.rng))  # the state's buffers are donated
     self.pool = envs.make_pool(config)  # last: nothing after it can fail and leave it open
-    rollout_inputs = dataclasses.replace(inputs, mesh=mesh, pool=self.pool,
-                                         share=multihost.process_share(mesh))
+    rollout_inputs = dataclasses.replace(inputs, mesh=rollout_mesh, pool=self.pool,
+                                         share=multihost.process_share(rollout_mesh))
     cursors = [cursor]  # the task stream's position, advanced by the thread only
 
     def sample(step: int, params: Any, version: int) -> batches.Sampled:

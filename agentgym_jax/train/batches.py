@@ -104,8 +104,11 @@ def row_multiple(config: ml_collections.ConfigDict, mesh: Mesh) -> int:
           * sharding_lib.data_parallel_size(mesh))
 
 
-def check_layout(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
-  """Fails early, with the numbers, when the rows of a step cannot be split as configured."""
+def check_layout(config: ml_collections.ConfigDict, mesh: Mesh,
+                 rollout_mesh: Mesh | None = None) -> None:
+  """Fails early, with the numbers, when the rows of a step cannot be split as configured:
+  over the update's `mesh`, and into `rollout.replicas` on the rollout's mesh (`rollout_mesh`,
+  by default the same)."""
   rows = config.data.batch_tasks * config.data.group_size
   if rows % row_multiple(config, mesh):
     raise ValueError(
@@ -114,7 +117,7 @@ def check_layout(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
         f"{config.algo.minibatches} x {config.algo.microbatches} x "
         f"{sharding_lib.data_parallel_size(mesh)}; change one of them.")
   try:
-    replica_meshes(mesh, config.rollout.replicas)
+    replica_meshes(mesh if rollout_mesh is None else rollout_mesh, config.rollout.replicas)
   except ValueError as exc:
     raise ValueError(f"rollout.replicas: {exc}") from exc
 

@@ -96,9 +96,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   async_settings = asynchronous.AsyncSettings.from_config(config)
   train_devices, rollout_devices = asynchronous.device_groups(async_settings)
   mesh = sharding_lib.make_mesh(config.mesh, devices=train_devices)
+  rollout_mesh = (mesh if rollout_devices is None
+                  else sharding_lib.make_mesh(config.mesh, devices=rollout_devices))
   # This process's devices: where it rolls out its rows of each batch (the mesh, on one host).
   share = multihost.process_share(mesh)
-  batches.check_layout(config, mesh)
+  batches.check_layout(config, mesh, rollout_mesh)
   rollout = RolloutSettings.from_config(config)  # validates the rollout's settings
   update_cfg = update_lib.UpdateConfig.from_config(config)  # validates the algorithm
   spec = update_cfg.algo
@@ -165,7 +167,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   if async_settings.enabled:
     rollouts = asynchronous.AsyncRollout(config, async_settings, inputs, state,
                                          first_step=start_step, cursor=cursor,
-                                         rollout_devices=rollout_devices)
+                                         rollout_mesh=rollout_mesh)
     make_batch = rollouts.batch
 
   def meta_at(cursor: int) -> dict[str, Any]:
