@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from agentgym_jax import cli
-from agentgym_jax import host_memory
+from agentgym_jax import freed_memory
 from agentgym_jax import multihost
 from agentgym_jax import policies
 from agentgym_jax import sharding
@@ -83,7 +83,7 @@ def main(argv: Sequence[str]) -> None:
   config = cli.config_from_flag()
   cli.check_env(config)
   check_policy_flags(_FLAGS["checkpoint"].value, _FLAGS["hf_model"].value)
-  host_memory.keep_resident_memory_flat()
+  freed_memory.return_freed_memory()
   cli.use_compilation_cache(config)
   multihost.maybe_initialize_distributed()
   output = _FLAGS["output"].value

@@ -13,7 +13,7 @@ The terminal shows the progress bar, a line per held-out evaluation and the summ
 absl/orbax INFO logging goes to WORKDIR/train.log (`--alsologtostderr` shows it here too).
 XLA's executables are saved in and loaded from `config.compile.cache_dir` (agentgym_jax/caches.py),
 so a second run of the same config compiles almost nothing; freed host buffers go back to the
-operating system (agentgym_jax/host_memory.py), so resident memory follows what a step holds.
+operating system (agentgym_jax/freed_memory.py), so resident memory follows what a step holds.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import ml_collections
 from absl import app, flags
 
 from agentgym_jax import cli
-from agentgym_jax import host_memory
+from agentgym_jax import freed_memory
 from agentgym_jax import multihost
 from agentgym_jax import policies
 
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config, workdir = cli.config_from_flag(), _WORKDIR.value
   check_run(config, workdir)
-  host_memory.keep_resident_memory_flat()
+  freed_memory.return_freed_memory()
   cli.use_compilation_cache(config)
   # A preempted job gets SIGTERM: the trainer then saves at the next step boundary and returns
   # (exit 0). Before the distributed runtime, whose preemption service takes SIGTERM over.

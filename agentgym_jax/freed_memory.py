@@ -1,0 +1,47 @@
+"""Freed large host buffers go back to the operating system (glibc's malloc).
+
+On CPU, XLA's buffers (a layer's weights, a KV-cache layer, a step's temporaries) are plain
+`malloc` allocations. glibc serves a block from `mmap` only above a threshold that it raises to
+the size of each mapped block freed (up to 32 MiB), so after the first steps most of a run's
+buffers of a few MiB come from its heaps, and a heap gives memory back only from its top: the
+resident size of a long run then follows the largest mix of buffers it has held rather than
+what it holds now. With a fixed threshold of 1 MiB every buffer that large has its own mapping,
+unmapped when freed; the price is a page fault per fresh page, small beside a step of a real
+model's compute (benchmarks/README.md, "Memory", has both sides on the main job).
+
+`benchmarks/host_memory.py --keep_freed_memory` is the opposite trade, for timing benchmarks
+only: it keeps every freed block so that a small model's step is timed without page faults.
+
+`return_freed_memory()` sets the threshold from inside the process (the trainer and evaluate
+call it first), unless the user set glibc's own `MALLOC_MMAP_THRESHOLD_`, which then wins. Where
+the C library is not glibc it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+
+# mallopt's parameter numbers (glibc's malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+MMAP_THRESHOLD = 1 << 20  # bytes: blocks of this size or more are mapped on their own.
+
+
+def return_freed_memory(threshold: int = MMAP_THRESHOLD) -> bool:
+  """Makes glibc map blocks of `threshold` bytes or more on their own (unmapped when freed)
+  and trim its heaps above that much free memory; True when set. A no-op (False) when
+  MALLOC_MMAP_THRESHOLD_ is in the environment or the C library is not glibc."""
+  if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
+    return False
+  libc = ctypes.CDLL(None)  # the libc this process already runs on
+  # mallopt returns 1 on success, 0 on a value it rejects.
+  ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(
+      libc.mallopt(_M_TRIM_THRESHOLD, threshold))
+  if not ok:
+    logging.warning("glibc refused an mmap threshold of %d bytes; freed host buffers may stay "
+                    "resident.", threshold)
+  return ok

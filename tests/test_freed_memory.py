@@ -1,0 +1,56 @@
+"""freed_memory: freed large buffers leave the process's resident memory (glibc)."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+from agentgym_jax import freed_memory
+
+# A child allocates 100 buffers of 4 MiB, each followed by a small one it keeps, after freeing
+# one 16 MiB buffer (which makes glibc raise its mmap threshold above 4 MiB), then frees the
+# big ones: its resident MiB while holding them and after.
+_PROBE = """
+import sys
+import numpy as np
+from agentgym_jax import freed_memory
+if sys.argv[1] == "flat":
+  assert freed_memory.return_freed_memory()
+def rss():
+  for line in open("/proc/self/status"):
+    if line.startswith("VmRSS"):
+      return int(line.split()[1]) / 1024
+big = np.ones(16 << 20, np.uint8)
+del big
+blocks, keepers = [], []
+for _ in range(100):
+  blocks.append(np.ones(4 << 20, np.uint8))
+  keepers.append(np.ones(64 << 10, np.uint8))
+held = rss()
+del blocks
+print(held, rss())
+"""
+
+
+def _held_and_after(mode: str) -> tuple[float, float]:
+  # glibc's own settings stay out of the child: the probe compares its default with ours.
+  env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+  out = subprocess.run([sys.executable, "-c", _PROBE, mode], capture_output=True, text=True,
+                       check=True, env=env)
+  held, after = map(float, out.stdout.split())
+  return held, after
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
+def test_freed_buffers_leave_resident_memory_only_with_the_fixed_threshold():
+  held, after = _held_and_after("default")
+  assert after > held - 100, "glibc's default keeps the freed 400 MiB resident (heap holes)"
+  held, after = _held_and_after("flat")
+  assert held > 400 and after < held - 350, (held, after)
+
+
+def test_the_users_own_threshold_wins(monkeypatch):
+  monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+  assert freed_memory.return_freed_memory() is False
