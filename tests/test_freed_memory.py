@@ -54,3 +54,15 @@ def test_freed_buffers_leave_resident_memory_only_with_the_fixed_threshold():
 def test_the_users_own_threshold_wins(monkeypatch):
   monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
   assert freed_memory.return_freed_memory() is False
+
+
+def test_released_programs_are_built_again_and_give_the_same_result():
+  import jax
+  import jax.numpy as jnp
+  f = jax.jit(lambda x: jnp.tanh(x) * 2)
+  x = jnp.arange(4.0)
+  before = f(x)
+  assert f._cache_size() == 1
+  freed_memory.release_programs()
+  assert f._cache_size() == 0
+  assert (f(x) == before).all() and f._cache_size() == 1

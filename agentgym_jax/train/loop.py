@@ -45,6 +45,7 @@ import tqdm
 
 from agentgym_jax import caches
 from agentgym_jax import evaluate
+from agentgym_jax import freed_memory
 from agentgym_jax import multihost
 from agentgym_jax import policies
 from agentgym_jax import sharding as sharding_lib
@@ -83,6 +84,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   # Executables built from here on: each step's metrics count those since the step before, so
   # the first step's include the start-up's (the model's init, the starting evaluation).
   compiles = caches.CompileCounter()
+  programs = 0  # built since the last release (config.compile.max_programs)
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
     metrics_lib.write_run_info(workdir, config)
@@ -240,8 +242,15 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                                             config.total_steps) and not stopped else {}
       clock.append(time.perf_counter())
 
-      last = step_metrics(got, update_metrics, eval_metrics, clock, compiles.take(),
+      compile_metrics = compiles.take()
+      last = step_metrics(got, update_metrics, eval_metrics, clock, compile_metrics,
                           config=config, max_turns=max_turns)
+      # Programs hold host memory (freed_memory.py); an asynchronous run's rollout thread may
+      # be tracing, so only the synchronous loop drops them.
+      programs += int(compile_metrics["compile/count"])
+      if config.compile.max_programs and programs > config.compile.max_programs and not rollouts:
+        freed_memory.release_programs()
+        programs = 0
       if writer and _due(done, config.log.every_steps, config.total_steps):
         writer.write(done, last)
       progress.update(1)
