@@ -3,13 +3,13 @@ range, by hand; the page, each run's own site, and the page in headless Chromium
 
 import json
 import re
-import shutil
 import subprocess
 
 import pytest
 
 from agentgym_jax import viewer
 from agentgym_jax.viewer import charts
+from test_user_view import _chromium
 
 
 def test_mean_and_band_by_hand_at_the_steps_every_run_logged():
@@ -68,9 +68,7 @@ def test_a_single_run_keeps_its_run_page(sweep, tmp_path):
 
 
 def test_the_sweep_page_in_headless_chromium(sweep, tmp_path):
-  chromium = shutil.which("chromium")
-  if chromium is None:
-    pytest.skip("chromium is not installed (apt-get install chromium).")
+  chromium = _chromium()  # fails instead of skipping under CI
   out = tmp_path / "site"
   viewer.build(str(sweep), str(out))
   result = subprocess.run(
