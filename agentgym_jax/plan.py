@@ -390,7 +390,9 @@ def plan(config: ml_collections.ConfigDict, target: Target,
       compute_dtype=run.update_cfg.compute_dtype)
   tokens, valid = batch["tokens"], batch["valid"]
   compile_program(
-      "score_logprobs", lambda: score_logprobs.lower(run.state.policy, tokens, valid),
+      "score_logprobs",
+      lambda: score_logprobs.lower(run.state.policy, tokens, valid,
+                                   batch.get("scored_positions")),
       resident=state_bytes - per_chip_bytes(run.state.policy) + per_chip_bytes(batch))
   if score_values is not None:
     compile_program(

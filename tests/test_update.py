@@ -258,7 +258,7 @@ class _Run:
 
   def batch(self, state, seed=0, advantage=None):
     batch = sharding.shard_batch(_batch(seed), self.mesh)
-    batch["old_logprobs"] = self.logprobs(state.policy, batch["tokens"], batch["valid"])
+    batch["old_logprobs"] = self.logprobs(state.policy, batch["tokens"], batch["valid"], None)
     batch["ref_logprobs"] = batch["old_logprobs"]
     batch["old_values"] = self.values(state.critic, batch["tokens"], batch["valid"])
     if advantage is not None:
@@ -282,7 +282,8 @@ def test_update_moves_log_probs_in_the_advantage_direction(run, sign):
   mask = np.asarray(batch["loss_mask"])
   before = np.asarray(batch["old_logprobs"])[mask].mean()
   state, metrics = run.step(state, batch)
-  after = np.asarray(run.logprobs(state.policy, batch["tokens"], batch["valid"]))[mask].mean()
+  after = np.asarray(run.logprobs(state.policy, batch["tokens"], batch["valid"], None)
+                     )[mask].mean()
   assert np.sign(after - before) == sign
   assert int(state.step) == 1 and float(metrics["actor/skipped"]) == 0.0
 
@@ -381,7 +382,8 @@ def test_the_jitted_steps_pin_activations_whoever_calls_them(run):
     return [line for line in lowered.as_text().splitlines()
             if "sharding_constraint" in line and line.rstrip().endswith(hidden)]
   update = activation_pins(run.step.lower(state, batch))
-  scoring = activation_pins(run.logprobs.lower(state.policy, batch["tokens"], batch["valid"]))
+  scoring = activation_pins(run.logprobs.lower(state.policy, batch["tokens"], batch["valid"],
+                                               None))
   # One pin after the embedding and one after each block, forward (and its remat/backward).
   assert len(update) >= CFG.num_layers + 1, update
   assert len(scoring) >= CFG.num_layers + 1, scoring
@@ -477,7 +479,7 @@ def test_on_policy_update_equals_the_update_on_separately_scored_old_logprobs(es
   assert on.algo.old_logprobs_from_update
   state = run.fresh()
   batch = sharding.shard_batch(_batch(), mesh)
-  old = run.logprobs(state.policy, batch["tokens"], batch["valid"])
+  old = run.logprobs(state.policy, batch["tokens"], batch["valid"], None)
   mask = np.asarray(batch["loss_mask"])
   noise = np.random.default_rng(3).uniform(-0.3, 0.3, mask.shape) * mask
   rollout = jnp.where(batch["loss_mask"], old + jnp.asarray(noise, jnp.float32), 0.0)
@@ -567,9 +569,9 @@ def _train_step(config, *, policy_scores_old):
       config.algo.minibatches * config.algo.microbatches, mesh)
   scored = []
 
-  def spy(params, tokens, valid):
+  def spy(params, tokens, valid, positions):
     scored.append({id(state.policy): "policy", id(state.ref): "reference"}[id(params)])
-    return score_logprobs(params, tokens, valid)
+    return score_logprobs(params, tokens, valid, positions)
 
   inputs = batches.StepInputs(
       config=config, update=cfg, tok=tok, pool=_ShortPool(),
@@ -619,3 +621,175 @@ def test_on_policy_step_scores_the_reference_only_and_trains_as_the_separate_sco
                                err_msg=key)
   for a, b in zip(jax.tree.leaves(on_params), jax.tree.leaves(off_params)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+# ----- the LM head at the scored positions only -------------------------------------------------
+
+
+def test_scored_positions_are_each_rows_agent_tokens_in_order(monkeypatch):
+  monkeypatch.setattr(update_lib, "SCORED_POSITIONS_MINIMUM", 4)
+  mask = np.zeros((3, 16), bool)
+  mask[0, [2, 3, 4, 9, 10]] = True
+  mask[1, [0, 15]] = True  # position 0 has no logits before it: never scored
+  # row 2: no agent token at all (a failed episode, a padding row)
+  want = np.array([[2, 3, 4, 9, 10, 0], [15, 0, 0, 0, 0, 0], [0] * 6])  # P = bucket(5) = 6
+  got = update_lib.scored_positions(mask)
+  assert got.dtype == np.int32
+  np.testing.assert_array_equal(got, want)
+  # Past half the row the head scores every position: one program, today's.
+  mask[0, 1:9] = True
+  assert update_lib.scored_positions(mask) is None
+  assert update_lib.scored_positions(np.zeros((2, 16), bool)).shape == (2, 4)
+  with pytest.raises(ValueError, match=r"\[rows, length\]"):
+    update_lib.scored_positions(np.zeros(16, bool))
+
+
+def test_scored_positions_never_drop_an_agent_token_and_stay_in_the_row():
+  rng = np.random.default_rng(0)
+  for length, share in ((1536, 0.1), (8192, 0.1), (1024, 0.3), (600, 0.02)):
+    mask = rng.random((6, length)) < share
+    got = update_lib.scored_positions(mask)
+    assert got is not None and got.shape[1] % 64 == 0 and 2 * got.shape[1] < length
+    assert got.min() >= 0 and got.max() < length
+    for row in range(6):
+      np.testing.assert_array_equal(got[row][got[row] > 0], np.flatnonzero(mask[row, 1:]) + 1)
+  # The main job's rows (at most 5 x 48 agent tokens of 1,536) compile one shape.
+  assert update_lib.scored_positions(np.arange(1536)[None] % 6 < 1).shape == (1, 256)
+  assert update_lib.scored_positions(rng.random((4, 1536)) < 0.6) is None
+
+
+def _subset_batch(rows=4):
+  """`_batch` and its scored positions (P = 8 of 20: the minimum set to 4)."""
+  batch = _batch(rows=rows)
+  positions = update_lib.scored_positions(np.asarray(batch["loss_mask"]))
+  assert positions.shape == (rows, 8)
+  return batch, jnp.asarray(positions)
+
+
+# 4 rows x 8 scored positions x 48 logits: 1 and 3 (the last padded) blocks of positions.
+@pytest.mark.parametrize("block", [1 << 24, 512])
+def test_lm_head_at_the_scored_positions_equals_the_head_at_every_position(monkeypatch, block):
+  monkeypatch.setattr(update_lib, "SCORED_POSITIONS_MINIMUM", 4)
+  (graphdef, params), _ = _models()
+  batch, positions = _subset_batch()
+  tokens, valid, mask = batch["tokens"], batch["valid"], batch["loss_mask"]
+  weights = jnp.asarray(np.random.default_rng(1).normal(size=tokens.shape), jnp.float32)
+
+  def loss(params, positions):
+    model = nnx.merge(graphdef, params)
+    logp, entropy = update_lib.sequence_logprobs_and_entropy(model, tokens, valid, 0.7,
+                                                             positions)
+    masked = lambda x: jnp.where(mask, x, 0.0)
+    return jnp.sum(masked(logp) * weights + 0.1 * masked(entropy)), (logp, entropy)
+
+  (_, want), want_grads = jax.value_and_grad(loss, has_aux=True)(params, None)
+  monkeypatch.setattr(logprobs_lib, "_LOGIT_BLOCK", block)
+  (_, got), got_grads = jax.value_and_grad(loss, has_aux=True)(params, positions)
+  for a, b in zip(got, want):  # the same at agent tokens, 0 everywhere else
+    np.testing.assert_allclose(a, np.where(mask, b, 0.0), rtol=1e-6, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_lm_head_scores_nothing_at_a_position_outside_the_row():
+  (graphdef, params), _ = _models()
+  batch = _batch(rows=4)
+  tokens, valid = batch["tokens"][:2], batch["valid"][:2]
+  positions = jnp.asarray([[5, LENGTH, -3, 0], [6, 0, LENGTH + 7, -1]], jnp.int32)
+
+  def loss(params, positions):
+    logp, entropy = update_lib.sequence_logprobs_and_entropy(
+        nnx.merge(graphdef, params), tokens, valid, 1.0, positions)
+    return jnp.sum(logp) + jnp.sum(entropy), (logp, entropy)
+
+  (_, (logp, entropy)), grads = jax.value_and_grad(loss, has_aux=True)(params, positions)
+  (_, want), want_grads = jax.value_and_grad(loss, has_aux=True)(params, positions[:, :1])
+  only = np.zeros(tokens.shape, bool)
+  only[0, 5] = only[1, 6] = True
+  for got, full in zip((logp, entropy), want):
+    assert np.all(np.asarray(got)[~only] == 0.0) and np.all(np.asarray(got)[only] != 0.0)
+    np.testing.assert_allclose(got, full, rtol=1e-6, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("algo", [
+    dict(kl_coef=0.05, entropy_coef=0.01, tis_cap=1.2, microbatches=2),
+    dict(kl_coef=0.05, entropy_coef=0.01, kl_estimator="k1",
+         loss_agg_mode="seq-mean-token-mean", minibatches=1),  # on-policy: old from the update
+])
+def test_update_loss_at_the_scored_positions_equals_the_loss_at_every_position(monkeypatch,
+                                                                                 algo):
+  monkeypatch.setattr(update_lib, "SCORED_POSITIONS_MINIMUM", 4)
+  (policy_def, policy), _ = _models()
+  cfg = update_lib.UpdateConfig.from_config(_config(**algo))
+  batch, positions = _subset_batch(rows=ROWS)
+  batch["rollout_logprobs"] = batch["old_logprobs"] + 0.1 * batch["loss_mask"]
+  den = losses.aggregation_denominator(batch["loss_mask"], cfg.algo.loss_agg_mode)
+  loss_fn = functools.partial(update_lib.policy_loss, graphdef=policy_def, cfg=cfg)
+  accumulate = jax.jit(lambda p, b: update_lib.accumulate_gradients(loss_fn, p, b, den,
+                                                                    cfg.microbatches))
+  want_loss, want_grads, want_aux = accumulate(policy, batch)
+  got_loss, got_grads, got_aux = accumulate(policy, {**batch, "scored_positions": positions})
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  assert set(got_aux) == set(want_aux)
+  mask = np.asarray(batch["loss_mask"])
+  for key in want_aux:
+    want_value = np.where(mask, want_aux[key], 0.0) if key == "logprobs" else want_aux[key]
+    np.testing.assert_allclose(got_aux[key], want_value, rtol=1e-6, atol=1e-6, err_msg=key)
+
+
+def test_scorers_and_update_at_the_scored_positions_equal_every_position(monkeypatch, run):
+  monkeypatch.setattr(update_lib, "SCORED_POSITIONS_MINIMUM", 4)
+  state = run.fresh()
+  batch = run.batch(state)
+  positions = update_lib.scored_positions(np.asarray(batch["loss_mask"]))
+  positions = sharding.shard_batch({"p": positions}, run.mesh)["p"]
+  mask = np.asarray(batch["loss_mask"])
+  scored = run.logprobs(state.policy, batch["tokens"], batch["valid"], positions)
+  np.testing.assert_allclose(scored, np.where(mask, batch["old_logprobs"], 0.0), atol=1e-6)
+  want_state, want = jax.device_get(run.step(run.fresh(), batch))
+  got_state, got = jax.device_get(run.step(run.fresh(),
+                                           {**batch, "scored_positions": positions}))
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-6, atol=1e-6, err_msg=key)
+  # (Adam's first step: as in the test below, up to ~1e-3 of a step where a gradient is ~eps)
+  for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-2 * 1e-2)
+
+
+@pytest.mark.parametrize("history_turns", [0, 1])
+def test_a_step_scoring_the_agent_tokens_only_trains_as_scoring_every_position(monkeypatch,
+                                                                              history_turns):
+  c = _config(kl_coef=0.05, minibatches=1, microbatches=2, kl_in_reward=True)
+  c.optim.lr = _PARITY_LR
+  c.data.batch_tasks, c.data.group_size = 2, 2
+  c.rollout.max_reply_tokens = 4
+  c.rollout.history_turns = history_turns
+  c.model.arch.num_layers, c.model.arch.hidden_size = 1, 32
+  every, every_metrics, every_params, _ = _train_step(c, policy_scores_old=True)
+  monkeypatch.setattr(update_lib, "SCORED_POSITIONS_MINIMUM", 4)
+  agent, agent_metrics, agent_params, scored = _train_step(c, policy_scores_old=True)
+  assert scored == ["policy", "reference"]  # old log-probs read first by the in-reward KL
+  assert "scored_positions" not in every.batch
+  positions, mask = (np.asarray(agent.batch[k]) for k in ("scored_positions", "loss_mask"))
+  assert 2 * positions.shape[1] < mask.shape[1]
+  assert (positions > 0).sum() == mask.sum() > 0
+  # (the reference's reach the update through the reward: `reward/kl_mean` below)
+  np.testing.assert_allclose(agent.batch["old_logprobs"],
+                             np.where(mask, every.batch["old_logprobs"], 0.0), atol=1e-6)
+  assert set(agent_metrics) == set(every_metrics) and set(agent.metrics) == set(every.metrics)
+  read = [k for k in every.metrics if k.startswith(("batch/", "rollout/logprob", "reward/"))]
+  assert "reward/kl_mean" in read and "rollout/logprob_gap" in read
+  for key in read:  # what the scored log-probs feed before the update
+    np.testing.assert_allclose(agent.metrics[key], every.metrics[key], rtol=1e-6, atol=1e-6,
+                               err_msg=key)
+  for key in every_metrics:
+    np.testing.assert_allclose(agent_metrics[key], every_metrics[key], rtol=1e-6, atol=1e-6,
+                               err_msg=key)
+  # The head's gradient sums over other positions here (in another order): Adam's first step
+  # makes that 1e-7 disagreement up to ~1e-3 of a step where a gradient is ~eps (_PARITY_LR).
+  for a, b in zip(jax.tree.leaves(agent_params), jax.tree.leaves(every_params)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-2 * _PARITY_LR)

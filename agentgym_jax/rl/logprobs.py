@@ -8,7 +8,8 @@ Both come from one logsumexp over the logits with a closed-form gradient (`_logp
 passes over the [B, L, V] logits dominate the memory traffic of a small model's update, and
 differentiating a log-softmax, a gather and an entropy pass would make several.
 `head_logprobs_and_entropy` runs the LM head over blocks of positions, so the [B, L, V] logits
-of a long row and a large vocabulary never exist at once.
+of a long row and a large vocabulary never exist at once, and given the positions the loss
+reads (the agent tokens), over those only: the other positions of its [B, L] results are 0.
 """
 
 from __future__ import annotations
@@ -49,30 +50,59 @@ def token_logprobs_and_entropy(logits: jax.Array, tokens: jax.Array, temperature
 
 
 def head_logprobs_and_entropy(hidden: jax.Array, tokens: jax.Array,
-                              head: Callable[[jax.Array], jax.Array], temperature: float = 1.0
+                              head: Callable[[jax.Array], jax.Array], temperature: float = 1.0,
+                              positions: jax.Array | None = None
                               ) -> tuple[jax.Array, jax.Array]:
   """`token_logprobs_and_entropy` of the logits `head(hidden)`, computed without the
-  [B, L, V] logits existing at once when they are larger than `_LOGIT_BLOCK` elements.
+  [B, L, V] logits existing at once when they are larger than `_LOGIT_BLOCK` elements, and
+  with `positions` only at those positions.
 
   The LM head and the log-softmax then run over blocks of positions in a loop whose body is
   rematerialised, so the backward pass recomputes one block's logits at a time instead of
   keeping them all (one 12,288-token row of a 152k vocabulary has 7 GiB of float32 logits).
+  With `positions` the head runs on P positions a row instead of L - 1: the loss reads the
+  agent tokens only, often a tenth of a row, and the head is a fifth of a small model's
+  matmuls. The scores of a position are the same ops on the same hidden state either way.
 
   Args:
     hidden: [B, L, D] the final hidden states of tokens [B, L].
     tokens: [B, L] int.
     head: [..., D] -> [..., V] logits (the decoder's `logits_from_hidden`).
     temperature: of the distribution the tokens were sampled from.
+    positions: [B, P] int, the positions to score in each row (`train.update.scored_positions`:
+      its agent tokens, padded with 0), or None for every position. Position 0 scores nothing
+      (no logits precede it), and neither does an index outside [0, L).
   Returns:
-    log-probs and entropies, two [B, L] float32, 0 at position 0.
+    log-probs and entropies, two [B, L] float32, 0 at position 0 and, with `positions`, at
+    every position not in them.
   """
-  hidden, targets = hidden[:, :-1], tokens[:, 1:]
+  if positions is None:
+    logp, entropy = _blocked_logprob_entropy(hidden[:, :-1], tokens[:, 1:], head, temperature)
+    return shift_right(logp), shift_right(entropy)
+  length = tokens.shape[1]
+  scored = (positions > 0) & (positions < length)
+  # The logits at t - 1 score the token at t; a slot that scores nothing reads position 0 and
+  # writes past the row's end, which the scatter drops (so its gradient is 0 too).
+  source = jnp.where(scored, positions, 0)
+  target = jnp.where(scored, positions, length)
+  gather = jax.vmap(lambda row, index: row[index])
+  logp, entropy = _blocked_logprob_entropy(
+      gather(hidden, jnp.maximum(source - 1, 0)), gather(tokens, source), head, temperature)
+  place = jax.vmap(lambda x, index: jnp.zeros(length, x.dtype).at[index].add(x, mode="drop"))
+  return place(logp, target), place(entropy, target)
+
+
+def _blocked_logprob_entropy(hidden: jax.Array, targets: jax.Array,
+                             head: Callable[[jax.Array], jax.Array], temperature: float
+                             ) -> tuple[jax.Array, jax.Array]:
+  """`_logprob_entropy` of `head(hidden)`: hidden [B, N, D], targets [B, N] -> two [B, N], the
+  head run over rematerialised blocks of positions when its [B, N, V] logits are larger than
+  `_LOGIT_BLOCK`."""
   b, n, d = hidden.shape
   vocab = jax.eval_shape(head, hidden[:1, :1]).shape[-1]
   blocks = -(-(b * n * vocab) // _LOGIT_BLOCK)
   if blocks <= 1:
-    logp, entropy = _logprob_entropy(head(hidden), targets, temperature)
-    return shift_right(logp), shift_right(entropy)
+    return _logprob_entropy(head(hidden), targets, temperature)
   size = -(-n // blocks)
   pad = blocks * size - n  # padded positions score token 0 and are cut off below
   hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, blocks, size, d)
@@ -84,7 +114,7 @@ def head_logprobs_and_entropy(hidden: jax.Array, tokens: jax.Array,
 
   logp, entropy = jax.lax.map(block, (hidden.swapaxes(0, 1), targets.swapaxes(0, 1)))
   unblock = lambda x: x.swapaxes(0, 1).reshape(b, blocks * size)[:, :n]
-  return shift_right(unblock(logp)), shift_right(unblock(entropy))
+  return unblock(logp), unblock(entropy)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

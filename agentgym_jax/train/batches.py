@@ -9,6 +9,9 @@ Layouts: the update trains one packed row per episode, or with a history window
 are moved to their tokens in the episodes' rows, and the advantages and returns back. A
 group's episodes, a turn's place in its episode and the critic's successive states (each the
 context a turn was sampled in) are then what the estimator sees, and each episode counts once.
+
+Log-probs (scored and the update's) are computed at the update rows' agent tokens only, the
+positions every reader of them reads (`update.scored_positions`, from the host's loss mask).
 """
 
 from __future__ import annotations
@@ -144,6 +147,12 @@ def _trained_rows(inputs: StepInputs, host: Any) -> tuple[Any, window.TurnRows |
   return turn_rows, turn_rows
 
 
+def _scored_positions(put: Callable, loss_mask: np.ndarray) -> jax.Array | None:
+  """`update.scored_positions` of the update rows' host loss mask, as a global array."""
+  positions = update_lib.scored_positions(loss_mask)
+  return None if positions is None else put(positions)
+
+
 def bc_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor: int,
              max_turns: int, saving: bool) -> StepBatch:
   """The next `rows` demonstrations of the shuffled stream, trained with cross-entropy (no
@@ -158,7 +167,8 @@ def bc_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor:
   batch = update_lib.build_batch(
       inputs.spec, tokens=put(trained.tokens), valid=put(trained.valid),
       loss_mask=put(trained.loss_mask),
-      seq_tokens=None if turn_rows is None else put(turn_rows.episode_tokens))
+      seq_tokens=None if turn_rows is None else put(turn_rows.episode_tokens),
+      scored_positions=_scored_positions(put, trained.loss_mask))
   # The batch is the expert's, not the policy's: its statistics are logged apart.
   logged = {k.replace("episodes/", "demos/"): v
             for k, v in metrics_lib.episode_metrics(host, chosen).items()}
@@ -281,14 +291,18 @@ def scored_batch(inputs: StepInputs, state: state_lib.TrainState, sampled: Sampl
   host = jax.device_get(sampled.traj)  # the whole batch, on every process
   trained, turn_rows = _trained_rows(inputs, host)
   tokens, valid, mask = put(trained.tokens), put(trained.valid), put(trained.loss_mask)
+  # The log-probs' readers (the loss, the in-reward KL, the diagnostics; on the packed rows
+  # through `to_episodes`) read these rows' agent tokens only; the overlong filter drops some.
+  positions = _scored_positions(put, trained.loss_mask)
   to_episodes, to_rows = _layouts(turn_rows, put, host.tokens.shape)
 
   # ----- scoring: old (unless the update's forward gives them) and reference log-probs, values
   score_logprobs, score_values = inputs.scorers
   zeros = jnp.zeros(tokens.shape, jnp.float32, device=tokens.sharding)
   old_logprobs = (zeros if spec.old_logprobs_from_update
-                  else score_logprobs(state.policy, tokens, valid))
-  ref_logprobs = score_logprobs(state.ref, tokens, valid) if state.ref is not None else zeros
+                  else score_logprobs(state.policy, tokens, valid, positions))
+  ref_logprobs = (score_logprobs(state.ref, tokens, valid, positions) if state.ref is not None
+                  else zeros)
   values = score_values(state.critic, tokens, valid) if score_values is not None else zeros
   jax.block_until_ready((old_logprobs, ref_logprobs, values))
   scored = time.perf_counter()
@@ -315,7 +329,8 @@ def scored_batch(inputs: StepInputs, state: state_lib.TrainState, sampled: Sampl
       advantages=to_rows(adv), ref_logprobs=ref_logprobs, returns=to_rows(returns),
       values=values, seq_tokens=None if turn_rows is None else put(turn_rows.episode_tokens),
       rollout_logprobs=(put(trained.sample_logprobs) if spec.trains_with_rollout_logprobs
-                        else None))
+                        else None),
+      scored_positions=positions)
 
   # One copy to the host of what the diagnostics (and a saved step) read.
   fetched = multihost.fetch(

@@ -23,6 +23,11 @@ Alignment: log-probabilities and entropies sit on the token they score (`rl.logp
 do values: `values[:, t] = V(tokens[<t])`, the value of the state in which token t was chosen
 (verl's convention). Position 0 is never an agent token and gets 0.
 
+Scored positions: every loss term, metric and estimator reads log-probs and entropies on the
+loss mask only, so the LM head scores only each row's agent tokens (`scored_positions`, built
+on the host with the batch); the [R, L] results hold 0 elsewhere. Rows mostly of agent tokens
+(past half the row) are scored at every position, as before.
+
 Old log-probs: scored before the update (`make_scorers`), or, when the update makes one
 optimizer step per batch and nothing before it reads them
 (`AlgorithmSpec.old_logprobs_from_update`), its own forward's log-probs held constant: that
@@ -42,6 +47,7 @@ from typing import Any, Callable, TypedDict
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -50,6 +56,7 @@ from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import logprobs as logprobs_lib
 from agentgym_jax.rl import losses
 from agentgym_jax.rl.algorithm import AlgorithmSpec
+from agentgym_jax.rollout.trajectory import bucket_length
 from agentgym_jax.train.state import UPDATE_STREAM, Optimizers, Params, TrainState, step_key
 
 
@@ -62,7 +69,8 @@ class Batch(TypedDict, total=False):
   agent tokens of each row's episode: `losses.aggregate`'s sequences); rollout_logprobs (the
   sampler's log-probs, `Trajectory.sample_logprobs`) with truncated importance sampling
   (`spec.tis_cap` > 0) and when the update measures the sampler/trainer gap (its old log-probs
-  are its own).
+  are its own); scored_positions [R, P] int32, the positions the LM head scores
+  (`scored_positions`), unless it scores every position.
   """
 
   tokens: jax.Array
@@ -75,6 +83,37 @@ class Batch(TypedDict, total=False):
   old_values: jax.Array
   seq_tokens: jax.Array
   rollout_logprobs: jax.Array
+  scored_positions: jax.Array
+
+
+# The fewest positions a row's LM head scores (`bucket_length`'s minimum, a power of two): the
+# main job's rows hold at most 5 turns x 48 sampled tokens = 240, so they compile one shape.
+SCORED_POSITIONS_MINIMUM = 256
+
+
+def scored_positions(loss_mask: np.ndarray) -> np.ndarray | None:
+  """The positions of each row whose log-probs the update reads: host loss mask [R, L] ->
+  [R, P] int32, each row's agent tokens in order, then 0 (position 0 scores nothing), or None
+  when the head should score every position.
+
+  P = `bucket_length(most agent tokens in a row, SCORED_POSITIONS_MINIMUM)`, so a run sees few
+  shapes and never drops an agent token; None when P >= L / 2, where another program's compile
+  would cost more than the head it saves. Position 0 is left out: no logits precede it, and its
+  log-prob is 0 either way.
+  """
+  mask = np.asarray(loss_mask, bool).copy()
+  if mask.ndim != 2:
+    raise ValueError(f"scored_positions: the loss mask must be [rows, length], got {mask.shape}.")
+  mask[:, 0] = False
+  counts = mask.sum(axis=1)
+  size = bucket_length(int(counts.max(initial=0)), minimum=SCORED_POSITIONS_MINIMUM)
+  if 2 * size >= mask.shape[1]:
+    return None
+  rows, columns = np.nonzero(mask)  # row-major: each row's positions in increasing order
+  slots = np.arange(rows.size) - (np.cumsum(counts) - counts)[rows]
+  positions = np.zeros((mask.shape[0], size), np.int32)
+  positions[rows, slots] = columns
+  return positions
 
 
 def build_batch(spec: AlgorithmSpec, *, tokens: jax.Array, valid: jax.Array,
@@ -82,9 +121,12 @@ def build_batch(spec: AlgorithmSpec, *, tokens: jax.Array, valid: jax.Array,
                 advantages: jax.Array | None = None, ref_logprobs: jax.Array | None = None,
                 returns: jax.Array | None = None, values: jax.Array | None = None,
                 seq_tokens: jax.Array | None = None,
-                rollout_logprobs: jax.Array | None = None) -> Batch:
+                rollout_logprobs: jax.Array | None = None,
+                scored_positions: jax.Array | None = None) -> Batch:
   """The batch of the update step, holding exactly the fields `spec` trains with (and
-  `seq_tokens` when the rows are per-turn rows); all [R, L] but seq_tokens [R].
+  `seq_tokens` when the rows are per-turn rows, `scored_positions` when the head scores only
+  those: `scored_positions(loss_mask)`); all [R, L] but seq_tokens [R] and scored_positions
+  [R, P].
 
   Behaviour cloning (cross-entropy) reads tokens, valid and loss_mask only: old_logprobs and
   advantages are then zeros when not given. With `spec.old_logprobs_from_update` the batch
@@ -112,6 +154,8 @@ def build_batch(spec: AlgorithmSpec, *, tokens: jax.Array, valid: jax.Array,
   batch = Batch(tokens=tokens, valid=valid, loss_mask=loss_mask, **trained)
   if seq_tokens is not None:
     batch["seq_tokens"] = seq_tokens
+  if scored_positions is not None:
+    batch["scored_positions"] = scored_positions
   return batch
 
 
@@ -166,15 +210,19 @@ def as_compute(params: Params, dtype: str) -> Params:
 
 
 def sequence_logprobs_and_entropy(model: Any, tokens: jax.Array, valid: jax.Array,
-                                  temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+                                  temperature: float = 1.0,
+                                  positions: jax.Array | None = None
+                                  ) -> tuple[jax.Array, jax.Array]:
   """Log-probs and entropies of tokens [B, L] (valid [B, L]) under the decoder `model`: two
-  [B, L] float32, aligned as `rl.logprobs.token_logprobs_and_entropy`.
+  [B, L] float32, aligned as `rl.logprobs.token_logprobs_and_entropy`; with `positions`
+  ([B, P], `scored_positions`) at those positions only, 0 elsewhere.
 
   The LM head runs through `rl.logprobs.head_logprobs_and_entropy`, so a long row's logits
   are made a block of positions at a time.
   """
   return logprobs_lib.head_logprobs_and_entropy(model.backbone(tokens, valid), tokens,
-                                                model.logits_from_hidden, temperature)
+                                                model.logits_from_hidden, temperature,
+                                                positions)
 
 
 def split_micro(tree: Any, num: int) -> Any:
@@ -215,7 +263,8 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
     micro: tokens, valid, loss_mask, advantages [m, L], old_logprobs unless
       `cfg.algo.old_logprobs_from_update` (+ ref_logprobs when the KL term is in the loss,
       rollout_logprobs with truncated importance sampling: the surrogate of each token is then
-      weighted by `losses.tis_weights`).
+      weighted by `losses.tis_weights`; scored_positions [m, P] when the head scores only
+      those, which must hold every position of loss_mask).
     denominator: `losses.aggregation_denominator` of the whole minibatch.
   Returns:
     (loss scalar, aux): aux holds `pg_loss` (the aggregated surrogate alone) and masked token
@@ -227,7 +276,7 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
   model = nnx.merge(graphdef, as_compute(params, cfg.compute_dtype))
   mask = micro["loss_mask"]
   logp, entropy = sequence_logprobs_and_entropy(model, micro["tokens"], micro["valid"],
-                                                cfg.temperature)
+                                                cfg.temperature, micro.get("scored_positions"))
   # One optimizer step per batch: these parameters are the ones the old log-probs would be
   # scored with, so this forward's log-probs, held constant, are them (ratio exactly 1).
   old = (jax.lax.stop_gradient(logp) if cfg.algo.old_logprobs_from_update
@@ -369,8 +418,8 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
   Batch fields, each [R, L] with R divisible by minibatches x microbatches x data shards:
   tokens, valid, loss_mask, advantages; old_logprobs, or rollout_logprobs when the update's
   forward gives them (`AlgorithmSpec.old_logprobs_from_update`); ref_logprobs when the KL term
-  is in the loss; returns, old_values with a critic; seq_tokens [R] with per-turn rows
-  (`Batch`). Rows are either layout: one packed row per episode, or one row per turn
+  is in the loss; returns, old_values with a critic; seq_tokens [R] with per-turn rows;
+  scored_positions [R, P] when the LM head scores only the agent tokens (`Batch`). Rows are either layout: one packed row per episode, or one row per turn
   (rollout/window.py).
 
   Metrics (means over the step's optimizer updates): actor/{loss, pg_loss, entropy,
@@ -451,24 +500,27 @@ def make_scorers(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
   update's compute dtype (so old log-probs are the update's at its first step).
 
   Returns:
-    logprobs(params, tokens, valid) -> [R, L] float32, for reference and (unless the update's
-      forward gives them, `AlgorithmSpec.old_logprobs_from_update`) old log-probs;
+    logprobs(params, tokens, valid, scored_positions) -> [R, L] float32, for reference and
+      (unless the update's forward gives them, `AlgorithmSpec.old_logprobs_from_update`) old
+      log-probs, at the batch's `scored_positions` [R, P] only (0 elsewhere), or at every
+      position where that is None;
     values(params, tokens, valid) -> [R, L] float32 (None without a critic).
     Both take rows split over the data axes and return them the same way.
   """
   rows_spec = NamedSharding(mesh, P(sharding_lib.BATCH_AXES))
 
-  def scan_rows(fn, params, tokens, valid):
-    micros = _constrain_rows(split_micro((tokens, valid), chunks), mesh, row_axis=1)
-    _, out = jax.lax.scan(lambda c, tv: (c, fn(params, *tv)), None, micros)
+  def scan_rows(fn, params, *rows):
+    micros = _constrain_rows(split_micro(rows, chunks), mesh, row_axis=1)
+    _, out = jax.lax.scan(lambda c, micro: (c, fn(params, *micro)), None, micros)
     return merge_micro(out)
 
-  def logprob_fn(params, tokens, valid):
+  def logprob_fn(params, tokens, valid, positions):
     model = nnx.merge(policy_def, as_compute(params, compute_dtype))
-    return sequence_logprobs_and_entropy(model, tokens, valid, temperature)[0]
+    return sequence_logprobs_and_entropy(model, tokens, valid, temperature, positions)[0]
 
   logprobs = jax.jit(sharding_lib.traced_under(mesh, functools.partial(scan_rows, logprob_fn)),
-                     in_shardings=(None, rows_spec, rows_spec), out_shardings=rows_spec)
+                     in_shardings=(None, rows_spec, rows_spec, rows_spec),
+                     out_shardings=rows_spec)
   if critic_def is None:
     return logprobs, None
   value_fn = functools.partial(critic_values, graphdef=critic_def, compute_dtype=compute_dtype)
