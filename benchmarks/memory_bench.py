@@ -5,7 +5,13 @@ set to each length), compiles the trainer's own update (`plan.Run`, `update.make
 for this machine's CPU and reads its temporaries from XLA's memory analysis; at the lengths of
 --time_lengths it also runs the update on random weights and tokens and reports tokens/s and
 the model FLOP/s as a fraction of a jitted f32 matmul's, measured in the same run (its MFU;
-remat's recomputed forward is not counted as model FLOPs).
+remat's recomputed forward is not counted as model FLOPs; the LM head is counted at every
+position).
+
+The row's loss mask is the main job's layout (`main_job_loss_mask`: a tenth of the row, the
+agent's replies), so the LM head scores what the trainer's does (`update.scored_positions`);
+the "every position" column is the same update with the head over the whole row (the update
+before it scored the agent tokens only, and what `python -m agentgym_jax.plan` compiles).
 
   python benchmarks/memory_bench.py \
       [--config experiments/smollm2/babyai.py:stage=rl,init=none] \
@@ -24,6 +30,7 @@ import dataclasses
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -72,11 +79,24 @@ def one_row_config(spec: str, choice: Choice, length: int):
   return config
 
 
-def temporaries(run: plan_lib.Run) -> int:
-  """Bytes of temporaries of the run's update, compiled for this CPU."""
+def main_job_loss_mask(length: int) -> np.ndarray:
+  """[1, length] bool, the agent tokens of a row laid out as the main job's: turns of 480
+  tokens (fewer in a short row), each an observation and then a reply of a tenth of it (48
+  tokens), so about 10% of the row is trained, ~100 of ~1,000 tokens as in the main job."""
+  turn = min(480, length // 2)
+  return (np.arange(length) % turn >= turn - turn // 10)[None]
+
+
+def temporaries(run: plan_lib.Run, positions: np.ndarray | None) -> int:
+  """Bytes of temporaries of the run's update, compiled for this CPU, its LM head at
+  `positions` ([1, P], `update.scored_positions`) or at every position (None)."""
   step = update_lib.make_update_step(run.policy_def, run.critic_def, run.optimizers,
                                      run.update_cfg, run.mesh, run.shardings)
-  return plan_lib._compile("update", lambda: step.lower(run.state, run.batch())).temporaries  # pylint: disable=protected-access
+  batch = run.batch()
+  if positions is not None:
+    batch["scored_positions"] = jax.ShapeDtypeStruct(positions.shape, jnp.int32,
+                                                     sharding=batch["tokens"].sharding)
+  return plan_lib._compile("update", lambda: step.lower(run.state, batch)).temporaries  # pylint: disable=protected-access
 
 
 def seconds_per_update(run: plan_lib.Run, length: int, repeats: int) -> float:
@@ -91,11 +111,13 @@ def seconds_per_update(run: plan_lib.Run, length: int, repeats: int) -> float:
                                      shardings=split.shardings)
   host = make_batch(1, length, run.cfg.vocab_size)
   host["valid"][:] = True  # a full row: the length timed is the length computed
+  mask = main_job_loss_mask(length)
   zeros = np.zeros((1, length), np.float32)
   batch = update_lib.build_batch(
-      run.spec, tokens=host["tokens"], valid=host["valid"], loss_mask=host["loss_mask"],
-      old_logprobs=zeros, advantages=host["advantages"], ref_logprobs=zeros, returns=zeros,
-      values=zeros, rollout_logprobs=zeros)
+      run.spec, tokens=host["tokens"], valid=host["valid"], loss_mask=mask,
+      old_logprobs=zeros, advantages=mask.astype(np.float32), ref_logprobs=zeros,
+      returns=zeros, values=zeros, rollout_logprobs=zeros,
+      scored_positions=update_lib.scored_positions(mask))
   step = update_lib.make_update_step(split.policy_def, None, run.optimizers, run.update_cfg,
                                      run.mesh, split.shardings)
   state, _ = jax.block_until_ready(step(state, batch))
@@ -124,19 +146,23 @@ def main():
   if peak:
     print(f"f32 matmul peak (2048^3, jitted): {peak / 1e9:.1f} GFLOP/s", flush=True)
   print(f"config: {args.config}; one row per update on one CPU device")
-  print("choice                      length  temporaries  tokens/s   MFU", flush=True)
+  print("choice                      length  temporaries  (every position)  tokens/s   MFU",
+        flush=True)
   found: dict[tuple[Choice, int], int] = {}
   for choice in choices:
     for length in lengths:
       run = plan_lib.Run.build(one_row_config(args.config, choice, length), jax.devices()[:1])
-      found[choice, length] = temporaries(run)
+      positions = update_lib.scored_positions(main_job_loss_mask(length))
+      found[choice, length] = temporaries(run, positions)
+      every = ("same" if positions is None
+               else f"{temporaries(run, None) / GiB:8.2f} GiB")
       speed = mfu = "-"
       if length in timed:
         seconds = seconds_per_update(run, length, args.repeats)
         speed = f"{length / seconds:.0f}"
         mfu = f"{train_flops_per_step(run.cfg, 1, length) / seconds / peak:.0%}"
       print(f"{str(choice):26s}  {length:6d}  {found[choice, length] / GiB:8.2f} GiB"
-            f"  {speed:>8s}  {mfu:>4s}", flush=True)
+            f"  {every:>16s}  {speed:>8s}  {mfu:>4s}", flush=True)
   loadavg.report("end")
   longest = max(lengths)
   print(f"ratio: {found[choices[-1], longest] / max(found[choices[0], longest], 1):.2f}")
