@@ -9,18 +9,21 @@ remat's recomputed forward is not counted as model FLOPs; the LM head is counted
 position).
 
 The row's loss mask is the main job's layout (`main_job_loss_mask`: a tenth of the row, the
-agent's replies), so the LM head scores what the trainer's does (`update.scored_positions`);
-the "every position" column is the same update with the head over the whole row (the update
-before it scored the agent tokens only, and what `python -m agentgym_jax.plan` compiles).
+agent's replies). --heads says where the update's LM head scores: `agent`, the trainer's
+(those agent tokens, `update.scored_positions`), and/or `every`, every position of the row
+(the update before it scored the agent tokens only, and what `python -m agentgym_jax.plan`
+compiles).
 
   python benchmarks/memory_bench.py \
       [--config experiments/smollm2/babyai.py:stage=rl,init=none] \
       [--lengths 1024,2048,4096,8192] [--time_lengths 1024,2048] \
-      [--choices blockwise/scan/remat,blockwise/unroll,xla/unroll] [--repeats 2]
+      [--choices blockwise/scan/remat,blockwise/unroll,xla/unroll] [--heads agent,every]
+      [--repeats 2]
 
 A choice is attention/layer_loop[/remat]. The last line is
-`ratio: <last choice's temporaries / first choice's>` at the longest length: with the defaults,
-how many times less memory the blockwise scan with remat needs than the XLA form unrolled.
+`ratio: <last choice's temporaries / first choice's>` at the longest length, the first head's:
+with the defaults, how many times less memory the blockwise scan with remat needs than the XLA
+form unrolled.
 """
 
 from __future__ import annotations
@@ -99,9 +102,15 @@ def temporaries(run: plan_lib.Run, positions: np.ndarray | None) -> int:
   return plan_lib._compile("update", lambda: step.lower(run.state, batch)).temporaries  # pylint: disable=protected-access
 
 
-def seconds_per_update(run: plan_lib.Run, length: int, repeats: int) -> float:
+# Where the update's LM head scores a row of a length: [1, P] positions, or None (every one).
+HEADS = {"agent": lambda length: update_lib.scored_positions(main_job_loss_mask(length)),
+         "every": lambda length: None}
+
+
+def seconds_per_update(run: plan_lib.Run, length: int, repeats: int,
+                       positions: np.ndarray | None) -> float:
   """The fastest of `repeats` updates of one random row (after one to compile), on random
-  weights of the run's model."""
+  weights of the run's model, its LM head at `positions` (as `temporaries`)."""
   policy = Decoder(run.cfg, rngs=nnx.Rngs(0))
   split = state_lib.split_models(policy, None, keep_reference=run.spec.keep_reference,
                                  optimizers=run.optimizers, mesh=run.mesh)
@@ -117,7 +126,7 @@ def seconds_per_update(run: plan_lib.Run, length: int, repeats: int) -> float:
       run.spec, tokens=host["tokens"], valid=host["valid"], loss_mask=mask,
       old_logprobs=zeros, advantages=mask.astype(np.float32), ref_logprobs=zeros,
       returns=zeros, values=zeros, rollout_logprobs=zeros,
-      scored_positions=update_lib.scored_positions(mask))
+      scored_positions=positions)
   step = update_lib.make_update_step(split.policy_def, None, run.optimizers, run.update_cfg,
                                      run.mesh, split.shardings)
   state, _ = jax.block_until_ready(step(state, batch))
@@ -136,36 +145,43 @@ def main():
   parser.add_argument("--time_lengths", default="1024,2048",
                       help="lengths at which the update is also run and timed")
   parser.add_argument("--choices", default="blockwise/scan/remat,blockwise/unroll,xla/unroll")
+  parser.add_argument("--heads", default="agent",
+                      help="where the LM head scores: agent (the trainer's), every (position)")
   parser.add_argument("--repeats", type=int, default=2)
   args = parser.parse_args()
   lengths = [int(n) for n in args.lengths.split(",")]
   timed = {int(n) for n in args.time_lengths.split(",") if n}
   choices = [Choice.parse(c) for c in args.choices.split(",")]
+  heads = args.heads.split(",")
+  if not set(heads) <= set(HEADS):
+    raise SystemExit(f"--heads: {args.heads!r} names none of {sorted(HEADS)}")
   loadavg.report("start")
   peak = matmul_peak()() if timed else None
   if peak:
     print(f"f32 matmul peak (2048^3, jitted): {peak / 1e9:.1f} GFLOP/s", flush=True)
   print(f"config: {args.config}; one row per update on one CPU device")
-  print("choice                      length  temporaries  (every position)  tokens/s   MFU",
+  print("choice                      length  head   scored  temporaries  tokens/s   MFU",
         flush=True)
-  found: dict[tuple[Choice, int], int] = {}
+  found: dict[tuple[Choice, int, str], int] = {}
   for choice in choices:
     for length in lengths:
       run = plan_lib.Run.build(one_row_config(args.config, choice, length), jax.devices()[:1])
-      positions = update_lib.scored_positions(main_job_loss_mask(length))
-      found[choice, length] = temporaries(run, positions)
-      every = ("same" if positions is None
-               else f"{temporaries(run, None) / GiB:8.2f} GiB")
-      speed = mfu = "-"
-      if length in timed:
-        seconds = seconds_per_update(run, length, args.repeats)
-        speed = f"{length / seconds:.0f}"
-        mfu = f"{train_flops_per_step(run.cfg, 1, length) / seconds / peak:.0%}"
-      print(f"{str(choice):26s}  {length:6d}  {found[choice, length] / GiB:8.2f} GiB"
-            f"  {every:>16s}  {speed:>8s}  {mfu:>4s}", flush=True)
+      for head in heads:
+        positions = HEADS[head](length)
+        found[choice, length, head] = temporaries(run, positions)
+        speed = mfu = "-"
+        if length in timed:
+          seconds = seconds_per_update(run, length, args.repeats, positions)
+          speed = f"{length / seconds:.0f}"
+          mfu = f"{train_flops_per_step(run.cfg, 1, length) / seconds / peak:.0%}"
+        scored = length - 1 if positions is None else positions.shape[1]
+        print(f"{str(choice):26s}  {length:6d}  {head:5s}  {scored:6d}"
+              f"  {found[choice, length, head] / GiB:8.2f} GiB  {speed:>8s}  {mfu:>4s}",
+              flush=True)
   loadavg.report("end")
   longest = max(lengths)
-  print(f"ratio: {found[choices[-1], longest] / max(found[choices[0], longest], 1):.2f}")
+  last, first = found[choices[-1], longest, heads[0]], found[choices[0], longest, heads[0]]
+  print(f"ratio: {last / max(first, 1):.2f}")
 
 
 if __name__ == "__main__":
