@@ -118,8 +118,7 @@ def model_config(config: ml_collections.ConfigDict, tok: ChatTokenizer,
     ValueError: an HF path that is neither on disk nor a published model.
   """
   settings = dict(attention=resolve_attention(config.model.attention, platform),
-                  layer_loop=resolve_layer_loop(config.model.layer_loop, platform,
-                                                remat=config.model.remat))
+                  layer_loop=resolve_layer_loop(config.model.layer_loop, platform))
   path = config.model.path
   if config.model.source == "hf" and not os.path.isdir(path):
     cfg = ModelConfig.from_hf_config(published.hf_config(path), param_dtype=config.model.dtype,

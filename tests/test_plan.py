@@ -233,7 +233,7 @@ def test_auto_attention_and_layer_loop_resolve_for_the_targets_platform():
   for platform in ("tpu", "cpu", "gpu"):
     cfg = plan.model_config(config, tok, platform)
     assert cfg.attention == resolve_attention("auto", platform), platform
-    assert cfg.layer_loop == resolve_layer_loop("auto", platform, config.model.remat), platform
+    assert cfg.layer_loop == resolve_layer_loop("auto", platform), platform
 
 
 @pytest.mark.parametrize("arg, overrides, programs", [

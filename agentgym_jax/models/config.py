@@ -31,8 +31,8 @@ _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
 }
 _DTYPES = ("float32", "bfloat16")
-# How the training forward runs the blocks: "auto" (scan on accelerators and wherever remat is
-# on, else unrolled), "scan" or "unroll" (`decoder.resolve_layer_loop`).
+# How the training forward runs the blocks: "auto" (scan on accelerators, unrolled on CPU),
+# "scan" or "unroll" (`decoder.resolve_layer_loop`).
 LAYER_LOOPS = ("auto", "scan", "unroll")
 
 

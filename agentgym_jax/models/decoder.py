@@ -14,10 +14,11 @@ output axis splits cleanly under tensor parallelism:
 
 Every parameter carries logical axis names in its `out_sharding` metadata (`vocab`, `embed`,
 `qkv`, `heads`, `mlp`, `norm`, `head_dim`); `agentgym_jax.sharding` maps them to mesh axes.
-The training forward runs its blocks as a `lax.scan` on accelerators, and on CPU when remat is
-on (the only way XLA:CPU holds one block's activations), else as a Python loop, the faster one
-on CPU (`ModelConfig.layer_loop`, `resolve_layer_loop`, `_scan_blocks`); parameters are one
-array per layer either way.
+The training forward runs its blocks as a `lax.scan` on accelerators and as a Python loop on
+CPU, the faster and (up to 4,096-token rows) smaller one there (`ModelConfig.layer_loop`,
+`resolve_layer_loop`, `_scan_blocks`); with remat, an unrolled loop recomputes each block
+behind a data dependency on its backward (`remat_after_cotangent`), since XLA:CPU ignores
+`jax.checkpoint` there. Parameters are one array per layer either way.
 
 The full-sequence (training) forward takes its RoPE tables as host constants, normalises the
 softmax after the value matmul and skips the key blocks above the causal diagonal: work outside
@@ -148,20 +149,78 @@ class Block(nnx.Module):
     return self.finish(x, out)
 
 
-def resolve_layer_loop(loop: str, platform: str | None = None, remat: bool = False) -> str:
+def resolve_layer_loop(loop: str, platform: str | None = None) -> str:
   """`ModelConfig.layer_loop` on `platform` (None: `jax.default_backend()`): "auto" scans the
-  blocks on accelerators, and on CPU when `remat` is on; else it unrolls them.
+  blocks on accelerators and unrolls them on CPU.
 
-  On CPU, XLA's scheduler does not honour remat across unrolled blocks (every block's
-  activations stay live), while a scan holds one block's: remat bounds memory there only as a
-  scan. Without remat the unrolled loop is the faster one on CPU (benchmarks/README.md,
+  On TPU an unrolled loop of FSDP blocks lets XLA gather many layers' weights at once; a scan
+  holds one layer's. On CPU the unrolled loop is faster and, with remat
+  (`remat_after_cotangent`), smaller up to rows of 4,096 tokens: the scan copies the blocks'
+  weights into one stacked array and their gradients out of one (benchmarks/README.md,
   Memory)."""
   if loop not in LAYER_LOOPS:
     raise ValueError(f"layer_loop {loop!r} is not one of {LAYER_LOOPS}.")
   if loop != "auto":
     return loop
-  on_cpu = (platform or jax.default_backend()) == "cpu"
-  return "unroll" if on_cpu and not remat else "scan"
+  return "unroll" if (platform or jax.default_backend()) == "cpu" else "scan"
+
+
+def _after(first, tree):
+  """`tree`, unchanged in value, but computed only once every array of `first` exists.
+
+  x + 0 * s, with s one element of each of `first`'s arrays: XLA does not fold a float
+  multiplication by zero (it would change NaN and inf), so the dependency survives, where
+  XLA:CPU drops `lax.optimization_barrier` before scheduling.
+  """
+  s = sum(jnp.ravel(a)[0].astype(jnp.float32) for a in jax.tree.leaves(first))
+  return jax.tree.map(lambda a: a + (0 * s).astype(a.dtype), tree)
+
+
+def _zero_cotangent(x: jax.Array) -> jax.Array:
+  if jnp.issubdtype(x.dtype, jnp.inexact):
+    return jnp.zeros_like(x)
+  return np.zeros(x.shape, jax.dtypes.float0)
+
+
+def remat_after_cotangent(layer):
+  """`layer(block, x)` that keeps only its input x for the backward pass and recomputes the
+  rest there, once the cotangent of its output exists.
+
+  The remat of an unrolled loop of blocks on XLA:CPU: `jax.checkpoint`'s recomputation has
+  no data dependency on the backward, and XLA:CPU, which drops `lax.optimization_barrier`,
+  merges it with the forward's identical computation (CSE) or runs it early, so every block's
+  activations stay live (no saving at all, benchmarks/README.md, Memory). Here the
+  recomputation reads its inputs through `_after(cotangent)`, and the input's gradient comes
+  out through `_after(the parameters' gradients)`: each block's backward, recomputation
+  included, runs whole between its neighbours', holding one block's activations. In a scan
+  the loop already orders the blocks, and `nnx.remat` does (`Backbone.__call__`).
+  """
+  def apply(block, x):
+    graphdef, params = nnx.split(block)
+    # Values the layer closes over (the valid mask) become explicit inputs: a custom_vjp's
+    # backward is traced on its own and cannot read another trace's values.
+    run, consts = jax.closure_convert(lambda p, x: layer(nnx.merge(graphdef, p), x), params, x)
+
+    @jax.custom_vjp
+    def remat(p, x, consts):
+      return run(p, x, *consts)
+
+    def forward(p, x, consts):
+      return run(p, x, *consts), (p, x, consts)
+
+    def backward(saved, cotangent):
+      p, x, consts = saved
+      p, x = _after(cotangent, (p, x))
+      grads = jax.vjp(lambda p, x: run(p, x, *consts), p, x)[1](cotangent)
+      # The input's gradient waits for the parameters' too: the previous block's backward
+      # then cannot start before this block's weight-gradient matmuls are done.
+      dp, dx = grads
+      dx = _after(dp, dx)
+      return (dp, dx, jax.tree.map(_zero_cotangent, consts))
+
+    remat.defvjp(forward, backward)
+    return remat(params, x, consts)
+  return apply
 
 
 def _scan_blocks(layer, blocks: list[Block], x: jax.Array) -> jax.Array:
@@ -210,11 +269,11 @@ class Backbone(nnx.Module):
     def layer(block: Block, x: jax.Array) -> jax.Array:
       return sharding.constrain(block(x, cos, sin, valid), _ACTIVATION)
 
-    layer = nnx.remat(layer) if self.cfg.remat else layer
     x = sharding.constrain(self._embed(tokens), _ACTIVATION)
-    if resolve_layer_loop(self.cfg.layer_loop, remat=self.cfg.remat) == "scan":
-      x = _scan_blocks(layer, list(self.layers), x)
+    if resolve_layer_loop(self.cfg.layer_loop) == "scan":
+      x = _scan_blocks(nnx.remat(layer) if self.cfg.remat else layer, list(self.layers), x)
     else:
+      layer = remat_after_cotangent(layer) if self.cfg.remat else layer
       for block in self.layers:
         x = layer(block, x)
     return self.final_norm(x)

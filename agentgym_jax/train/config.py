@@ -117,8 +117,7 @@ def base_config() -> ml_collections.ConfigDict:
   # Parameter dtype for loaded checkpoints ("float32" | "bfloat16"); logits are float32.
   c.model.dtype = "float32"
   # Recompute each block's activations in the backward pass: the update then holds one
-  # block's activations plus one checkpoint per block (memory for compute; on CPU it makes
-  # "auto" scan the blocks, the only loop in which XLA:CPU honours it).
+  # block's activations plus one checkpoint per block (memory for compute).
   c.model.remat = False
   # Attention kernel (agentgym_jax/models/attention.py, KERNELS): "auto" picks per backend
   # (TPU: "pallas", splash attention; GPU: "cudnn"; CPU: "blockwise", flash attention in plain
@@ -126,8 +125,8 @@ def base_config() -> ml_collections.ConfigDict:
   # "cudnn", "pallas", "pallas_interpret" (the TPU kernel interpreted; tests).
   c.model.attention = "auto"
   # The training forward's blocks: "auto" (a lax.scan on accelerators, which bounds FSDP's
-  # gathered weights to one layer, and on CPU with remat; otherwise a Python loop, faster on
-  # CPU), "scan" or "unroll".
+  # gathered weights to one layer; a Python loop on CPU, faster and smaller there), "scan" or
+  # "unroll".
   c.model.layer_loop = "auto"
   # The update's and scorers' forward dtype: "float32", or "bfloat16" for mixed precision
   # (float32 parameters and optimizer, bf16 matmuls and activations; upstream verl's FSDP

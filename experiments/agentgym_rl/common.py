@@ -278,10 +278,10 @@ def smollm2_on_cpu(c: ml_collections.ConfigDict) -> None:
   # AgentGym's Thought/Action replies take 20-60 SmolLM2 tokens; the paper's 200-512-token
   # cap would mostly buy rambling, decoded a token at a time on the CPU.
   c.rollout.max_reply_tokens = 128
-  # One block's activations at a time: remat makes the blocks a scan on CPU as well
-  # (`decoder.resolve_layer_loop`), and "auto" attention is blockwise there (no [T, T] scores),
-  # so the update's memory grows linearly with the row (benchmarks/README.md, Memory). The
-  # opening takes 430-510 tokens.
+  # One block's activations at a time: remat recomputes each block in the backward
+  # (`decoder.remat_after_cotangent` on CPU's unrolled blocks), and "auto" attention is
+  # blockwise there (no [T, T] scores), so the update's memory grows linearly with the row
+  # (benchmarks/README.md, Memory). The opening takes 430-510 tokens.
   c.model.remat = True
   # Each XLA:CPU program of the model holds ~40 MiB of host memory while JAX keeps it, and a run
   # meets new shapes for many steps: above 64 programs they are dropped at a step's end and
