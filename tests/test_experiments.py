@@ -190,7 +190,7 @@ def test_algo_sweep_covers_table6():
 def _leaves(config, prefix=""):
   for key, value in config.items():
     if isinstance(value, ml_collections.ConfigDict) and key not in ("kwargs", "arch",
-                                                                    "estimator_kwargs"):
+                                                                    "estimator_kwargs", "mix"):
       yield from _leaves(value, f"{prefix}{key}.")
     else:
       yield f"{prefix}{key}"

@@ -19,9 +19,10 @@ comes from `agentgym_jax.policies`).
 
 from agentgym_jax.evaluate import eval_metrics
 from agentgym_jax.evaluate.columns import PAPER_COLUMNS, paper_column
-from agentgym_jax.evaluate.evaluation import EvalResult, EvalSettings, eval_key, evaluate
+from agentgym_jax.evaluate.evaluation import (EvalResult, EvalSettings, environment_metrics,
+                                             eval_key, evaluate)
 from agentgym_jax.evaluate.report import checkpoint_label, failed_line, result_line, write_report
 
-__all__ = ["EvalResult", "EvalSettings", "PAPER_COLUMNS", "checkpoint_label", "eval_key",
-           "eval_metrics", "evaluate", "failed_line", "paper_column", "result_line",
+__all__ = ["EvalResult", "EvalSettings", "PAPER_COLUMNS", "checkpoint_label",
+           "environment_metrics", "eval_key", "eval_metrics", "evaluate", "failed_line", "paper_column", "result_line",
            "write_report"]

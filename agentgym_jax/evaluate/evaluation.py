@@ -1,5 +1,6 @@
 """One evaluation: every task of a split (or its first `num_tasks`) n times through the rollout
-engine, and the summary `eval_metrics` makes of the final scores, per paper column and overall.
+engine, and the summary `eval_metrics` makes of the final scores, per paper column and overall
+(a mixture's: each environment's first `num_tasks`, one column per environment).
 
 On several hosts (every process calling `evaluate` alike) each process runs a share of the
 episodes and gets the results of all of them. Episodes that failed (an env worker crashed or
@@ -119,12 +120,7 @@ def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef
   Raises:
     ValueError: an unknown split, or no task to evaluate.
   """
-  splits = envs.task_splits(config)
-  if settings.split not in splits:
-    raise ValueError(f"Split {settings.split!r} not in {config.env.name}'s splits "
-                     f"{sorted(splits)}.")
-  task_ids = splits[settings.split]
-  task_ids = [int(t) for t in (task_ids[:settings.num_tasks] if settings.num_tasks else task_ids)]
+  task_ids = envs.evaluation_tasks(config, settings.split, settings.num_tasks)
   if not task_ids:
     raise ValueError("No tasks to evaluate: the split is empty or --num_tasks is 0.")
   env_name = envs.served_name(config)
@@ -180,8 +176,12 @@ def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef
   passed = eval_metrics.passed_from(scores, success, settings.pass_criterion)
   rewards = np.array([e.reward for e in episodes], np.float64)
   failed = np.array([e.failed for e in episodes], bool)
-  columns = {t: paper_column(env_name, cat) for t, cat in categories.items()}
-  order = [column for column, _ in PAPER_COLUMNS.get(env_name, ())]
+  if envs.is_mixture(config):  # one column per environment
+    columns = {t: envs.environment_of(config, t) for t in categories}
+    order = list(config.env.mix)
+  else:
+    columns = {t: paper_column(env_name, cat) for t, cat in categories.items()}
+    order = [column for column, _ in PAPER_COLUMNS.get(env_name, ())]
   summary = eval_metrics.summarize(ids, rewards, passed, columns, order,
                                    ks=[k for k in settings.ks if k <= n], failed=failed)
   # The raw-score mean too (SciWorld's 0..100 score, BabyAI's step-discounted reward).
@@ -200,3 +200,23 @@ def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef
                     num_turns=np.array([e.num_turns for e in episodes], np.int32),
                     failed=failed, stop_reasons=[e.stop_reason for e in episodes],
                     categories=categories, seconds=time.perf_counter() - start_time)
+
+
+def environment_metrics(config: ml_collections.ConfigDict, result: EvalResult
+                        ) -> dict[str, float]:
+  """A mixture's held-out results per environment: <environment>/success_rate (per healthy
+  episode) and <environment>/avg and /pass (its summary column); empty outside a mixture. An
+  environment whose episodes all failed measured nothing and is left out."""
+  if not envs.is_mixture(config):
+    return {}
+  labels = np.asarray([envs.environment_of(config, t) for t in result.task_ids])
+  out = {}
+  for label in config.env.mix:
+    healthy = (labels == label) & ~result.failed
+    if not healthy.any():
+      continue
+    out[f"{label}/success_rate"] = float(result.success[healthy].mean())
+    column = result.summary.get(label, {})
+    out.update({f"{label}/{k}": float(column[k]) for k in ("avg", "pass")
+                if column.get(k) is not None})
+  return out

@@ -31,7 +31,8 @@ Two schedules (`overlap_env`):
   draws depend on its own key, turn and token index only.
 
 Episodes end when the environment terminates or truncates them, when the pool reports a fault
-(the episode is then marked failed, see rollout/trajectory.py), at `max_turns`, or when the
+(the episode is then marked failed, see rollout/trajectory.py), at `max_turns` (or its
+environment's lower cap in a mixture: `info["turn_limit"]`), or when the
 next turn's context could overflow `max_context` (reply cap included; with a window, the
 windowed context); the final observation is then not
 appended (no later agent token would use it). Finished episodes leave the active set; when at
@@ -111,8 +112,12 @@ def _next_context_length(e: Episode, chunk: int, history_turns: int) -> int:
 
 def opening_messages(info: dict[str, Any], observation: str, system_prompt: str | None,
                      acknowledgement: str) -> list[dict[str, str]]:
-  """The conversation before the first agent turn: system, instruction, canned reply, task."""
+  """The conversation before the first agent turn: system, instruction, canned reply, task.
+
+  The reset's `info` may name its own system prompt and acknowledgement (a mixture's pool
+  gives each environment's: rollout/envs.py `MixedPool`), which then replace the run's."""
   messages = []
+  system_prompt = info.get("system_prompt", system_prompt)
   if system_prompt is not None:
     messages.append({"role": "system", "content": system_prompt})
   instruction = info.get("instruction", "")
@@ -140,6 +145,9 @@ class _Episodes:
     # turn's first token): when the next context starts elsewhere, the row is rewound.
     self.window_start = np.zeros(num, np.int64)
     self.ended_on_cap = np.zeros(num, bool)
+    # Each episode's turn limit: the settings', or its environment's cap where lower (a
+    # mixture's, from its reset's info["turn_limit"]).
+    self.turn_limit = np.full(num, settings.max_turns, np.int64)
     self.sampled = 0
 
   def open(self, index: int, out: Any, system_prompt: str | None, acknowledgement: str) -> None:
@@ -147,6 +155,8 @@ class _Episodes:
     e = self.episodes[index]
     e.messages = opening_messages(out.info, out.observation, system_prompt, acknowledgement)
     e.category = out.info.get("category")
+    if out.info.get("turn_limit"):
+      self.turn_limit[index] = min(self.settings.max_turns, int(out.info["turn_limit"]))
     e.append(self.tok.encode_opening(e.messages), turn=-1)
     if "error" in out.info:
       e.fail(out.info)
@@ -247,7 +257,7 @@ class _Episodes:
     elif out.terminated or out.truncated:
       e.finish("terminated" if out.terminated else "env_truncated",
                terminated=out.terminated, truncated=out.truncated)
-    elif e.num_turns >= self.settings.max_turns:
+    elif e.num_turns >= self.turn_limit[ep]:
       e.finish("max_turns", truncated=True)
     else:
       # A reply cut off by the cap is closed with the end-of-turn token it never sampled

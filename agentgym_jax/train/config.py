@@ -156,7 +156,14 @@ def base_config() -> ml_collections.ConfigDict:
   # sources); every split, so training, demonstrations and evaluation alike, keeps only its
   # tasks of these categories. Empty: every task.
   c.env.categories = ()
-  # Environment worker processes in the pool.
+  # Several environments in one run (env.name = "mix"): {label: member}, each member a
+  # ConfigDict of name (in environments.REGISTRY), ratio (its share of each batch's tasks;
+  # the ratios are > 0 and sum to 1), kwargs, categories, max_turns (caps the schedule's turn
+  # limit for its episodes; 0 = no cap) and system_prompt ("" = none), which stand for the
+  # env fields above; `rollout.envs.member` builds one. Metrics and held-out evaluation are
+  # also reported per label. Empty: env.name alone.
+  c.env.mix = ml_collections.ConfigDict()
+  # Environment worker processes in the pool (in a mixture: per environment).
   c.env.num_workers = 2
   # Seconds an environment step may take before its episode ends as failed.
   c.env.timeout_s = 60.0
@@ -382,10 +389,11 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
-# Sub-trees whose keys are not fixed by the schema: an environment's constructor arguments, the
-# estimator's options (checked against its signature by rl.algorithm.AlgorithmSpec), and the
-# model architecture (`lock` checks its keys against ModelConfig instead).
-_FREE_FORM = ("env.kwargs", "algo.estimator_kwargs", "model.arch")
+# Sub-trees whose keys are not fixed by the schema: an environment's constructor arguments, a
+# mixture's environments (checked by rollout.envs.check), the estimator's options (checked
+# against its signature by rl.algorithm.AlgorithmSpec), and the model architecture (`lock`
+# checks its keys against ModelConfig instead).
+_FREE_FORM = ("env.kwargs", "env.mix", "algo.estimator_kwargs", "model.arch")
 # Of these, those the command line may add keys to (--config.algo.estimator_kwargs.x=v): left
 # unlocked by `lock`.
 _OPEN = ("algo.estimator_kwargs",)

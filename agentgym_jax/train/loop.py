@@ -52,7 +52,7 @@ from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import algorithm, schedule
 from agentgym_jax.rollout import RolloutSettings, envs
 from agentgym_jax.train import asynchronous
-from agentgym_jax.train import batches, checkpoints, data, metrics as metrics_lib, provenance
+from agentgym_jax.train import batches, checkpoints, metrics as metrics_lib, provenance
 from agentgym_jax.train import sources
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import trajectories
@@ -118,14 +118,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   # A "bpe:" tokenizer is trained and saved by process 0; the others then read it.
   tok = multihost.process_zero_first(lambda: policies.load_tokenizer(config, workdir),
                                      "tokenizer")
-  stream = data.TaskStream(envs.training_tasks(config), config.seed)
+  stream = sources.task_stream(config)
   demos = []
   if config.mode == "bc":
     # Behaviour cloning draws its rows from the demonstrations, in shuffled epochs. Played
     # and cached by process 0 first; the others then read its cache (if they see it).
     demos = multihost.process_zero_first(lambda: sources.demonstrations(config, tok),
                                          "demonstrations")
-    stream = data.TaskStream(range(len(demos)), config.seed)
+    stream = sources.task_stream(config, demos)
 
   ##############################################################################################
   #                           Model, optimizers and train state                                #
@@ -188,6 +188,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     overall = result.summary[evaluate.eval_metrics.OVERALL]
     # A metric whose episodes all failed measured nothing: it is left out, not logged as 0.
     scalars = dict(overall, success_rate=result.success_rate)
+    scalars.update(evaluate.environment_metrics(config, result))  # a mixture's, per environment
     return {f"eval/{k}": float(v) for k, v in scalars.items() if v is not None}
 
   ##############################################################################################
@@ -332,6 +333,9 @@ def step_metrics(got: batches.StepBatch, update_metrics: dict[str, Any],
   """
   start, batched, updated, saved, evaluated = clock
   out = dict(got.metrics)
+  if envs.is_mixture(config) and config.mode == "rl":
+    out.update(metrics_lib.environment_metrics(
+        got.host, got.episodes, lambda task_id: envs.environment_of(config, task_id)))
   out.update({k: float(v) for k, v in update_metrics.items()})
   out.update({
       "schedule/max_turns": float(max_turns),

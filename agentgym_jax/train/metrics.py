@@ -14,7 +14,7 @@ import os
 import platform
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -72,6 +72,26 @@ def episode_metrics(traj: Any, episodes: Sequence[Any]) -> dict[str, float]:
       "episodes/terminated_rate": mean(traj.terminated),
       "batch/length": float(loss_mask.shape[1]),
   }
+
+
+# Of a batch's episode statistics, those a mixture logs per environment too.
+ENVIRONMENT_METRICS = ("count", "failed_rate", "success_rate", "reward_mean", "score_mean",
+                       "turns_mean", "length_mean", "invalid_action_rate", "truncated_rate")
+
+
+def environment_metrics(traj: Any, episodes: Sequence[Any],
+                        environment_of: Callable[[int], str]) -> dict[str, float]:
+  """`episode_metrics`' ENVIRONMENT_METRICS over each environment's rows of a mixed batch:
+  episodes/<environment>/<metric>, for each environment the batch holds (a group's rows are
+  all of one environment, so these are its groups). `environment_of` names a task id's."""
+  labels = np.asarray([environment_of(e.task_id) for e in episodes])
+  out = {}
+  for label in sorted(set(labels.tolist())):
+    rows = labels == label
+    stats = episode_metrics(jax.tree.map(lambda x: np.asarray(x)[rows], traj),
+                            [e for e, keep in zip(episodes, rows) if keep])
+    out.update({f"episodes/{label}/{k}": stats[f"episodes/{k}"] for k in ENVIRONMENT_METRICS})
+  return out
 
 
 def failure_summary(episodes: Sequence[Any]) -> tuple[str, int, str] | None:

@@ -1,9 +1,11 @@
-"""The trainer's own sources beside the policy (`agentgym_jax.policies`): the demonstrations
-of behaviour cloning, cached on disk (the environment's expert plays them through
-`rollout.envs`), and the critic, started from the policy's backbone.
+"""The trainer's own sources beside the policy (`agentgym_jax.policies`): the order of the
+steps' tasks, the demonstrations of behaviour cloning, cached on disk (the environment's
+expert plays them through `rollout.envs`), and the critic, started from the policy's backbone.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,25 @@ from agentgym_jax.rollout import demonstrations as demos_lib
 from agentgym_jax.rollout import envs
 from agentgym_jax.rollout.trajectory import Episode
 from agentgym_jax.tokenization import ChatTokenizer
+from agentgym_jax.train import data
+
+
+def task_stream(config: ml_collections.ConfigDict, demos: Sequence[Episode] = ()
+                ) -> data.TaskStream | data.MixtureStream:
+  """The order in which steps take their tasks (`envs.training_tasks`), or with `demos`
+  (behaviour cloning) the indices of the demonstrations; a mixture's takes each environment's
+  by its ratio (`data.MixtureStream`, a demonstration's environment read from its task id)."""
+  if not envs.is_mixture(config):
+    return data.TaskStream(envs.training_tasks(config) if not demos else range(len(demos)),
+                           config.seed)
+  members = envs.members(config)
+  if demos:
+    environment = [envs.environment_of(config, e.task_id) for e in demos]
+    own = [[i for i, label in enumerate(environment) if label == m.label] for m in members]
+  else:
+    own = [[m.encode(t) for t in envs.training_tasks(m.config)] for m in members]
+  return data.MixtureStream([data.TaskStream(ids, config.seed) for ids in own],
+                            [m.ratio for m in members])
 
 
 def demonstrations(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> list[Episode]:
@@ -25,8 +46,16 @@ def demonstrations(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> lis
   taken from each category in turn with `bc.balance_categories`), cached on disk.
 
   Played by `demonstrations.expert_episodes` with the runner's limits: the schedule's longest horizon,
-  `rollout.max_context` and `rollout.max_reply_tokens`.
+  `rollout.max_context` and `rollout.max_reply_tokens`. A mixture's: each environment's
+  `bc.num_tasks` demonstrations (its own limits, prompt and cache), task ids the mixed run's.
   """
+  if envs.is_mixture(config):
+    episodes = []
+    for m in envs.members(config):
+      for e in demonstrations(m.config, tok):
+        e.task_id = m.encode(e.task_id)
+        episodes.append(e)
+    return episodes
   task_ids = envs.training_tasks(config)
   if config.bc.balance_categories:
     task_ids = envs.interleave_categories(config, task_ids)
