@@ -580,9 +580,25 @@ def _train_step(config, *, policy_scores_old):
       rollout=RolloutSettings.from_config(config), scorers=(spy, None),
       advantages=algorithm.make_advantage_fn(cfg.algo))
   got = batches.rl_batch(inputs, state, 0, 0, max_turns=2, saving=False)
+  scored_by_the_step = list(scored)
+  _check_stages_alone(inputs, state, got)
   step = update_lib.make_update_step(split.policy_def, None, opts, cfg, mesh, split.shardings)
   state, metrics = step(state, got.batch)
-  return got, jax.device_get(metrics), _copy(state.policy), scored
+  return got, jax.device_get(metrics), _copy(state.policy), scored_by_the_step
+
+
+def _check_stages_alone(inputs, state, got):
+  """The stages of `batches.scored_batch`, called one by one on the step's episodes, give
+  its batch; every agent token of the update's rows lands once on its episode's token."""
+  rows = batches.update_rows(inputs, got.host)
+  episodes_mask = np.asarray(rows.to_episodes(rows.loss_mask.astype(jnp.float32)))
+  np.testing.assert_array_equal(episodes_mask, np.asarray(got.host.loss_mask, np.float32))
+  scores = batches.score(inputs, state, rows)
+  estimated = batches.advantages(inputs, rows, scores)
+  batch = batches.update_batch(inputs, rows, scores, estimated)
+  assert set(batch) == set(got.batch)
+  for key in batch:
+    np.testing.assert_array_equal(np.asarray(batch[key]), np.asarray(got.batch[key]), key)
 
 
 @pytest.mark.parametrize("history_turns", [0, 1])

@@ -270,86 +270,174 @@ def rl_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor:
 def scored_batch(inputs: StepInputs, state: state_lib.TrainState, sampled: Sampled, *,
                  saving: bool) -> StepBatch:
   """A step's rollouts scored by the policy, the reference and the critic, with the
-  estimator's advantages: the update's batch.
+  estimator's advantages: the update's batch. The stages, each a function of its own:
+  `update_rows` (the episodes and the update's rows, built once) -> `score` (log-probs and
+  values) -> `advantages` -> `update_batch`, and `diagnostics` of them all.
 
-  The policy scores its old log-probs here only when the update cannot take them from its own
-  forward (`AlgorithmSpec.old_logprobs_from_update`); the update then logs the
-  sampler/trainer gap instead of this batch's diagnostics. Episodes sampled by older weights
-  than the state's (asynchronous rollout, train/asynchronous.py) are scored the same way: the
-  state's policy is the proximal one, and truncated importance sampling (`algo.tis_cap`)
-  weighs each token by it over the sampler's log-probs."""
-  config, spec, put = inputs.config, inputs.spec, inputs.put
-  step = sampled.step
+  Episodes sampled by older weights than the state's (asynchronous rollout,
+  train/asynchronous.py) are scored the same way: the state's policy is the proximal one, and
+  truncated importance sampling (`algo.tis_cap`) weighs each token by it over the sampler's
+  log-probs."""
   # A replay regenerates round 1 of a step sampled by the checkpoint of the step before.
   on_policy = sampled.version == int(jax.device_get(state.step))
   replay = provenance.step_provenance(
-      config, step + 1, sampled.task_ids, sampled.key, sampled.max_turns,
+      inputs.config, sampled.step + 1, sampled.task_ids, sampled.key, sampled.max_turns,
       provenance.policy_checksum(state.policy), sampled.devices
   ) if saving and on_policy and sampled.drawn == 1 else None
-  logged = dict(sampled.metrics)
   rolled = time.perf_counter()
-  host = jax.device_get(sampled.traj)  # the whole batch, on every process
-  trained, turn_rows = _trained_rows(inputs, host)
-  tokens, valid, mask = put(trained.tokens), put(trained.valid), put(trained.loss_mask)
+  rows = update_rows(inputs, sampled.traj)
+  scores = score(inputs, state, rows)
+  scored = time.perf_counter()
+  estimated = advantages(inputs, rows, scores)
+  advantaged = time.perf_counter()
+  batch = update_batch(inputs, rows, scores, estimated)
+  logged, per_token = diagnostics(inputs, rows, estimated, sampled.episodes,
+                                  saving=saving)
+  logged = {**sampled.metrics, **logged,
+            "time/score": scored - rolled, "time/advantages": advantaged - scored}
+  return StepBatch(batch=batch, host=rows.episodes, episodes=sampled.episodes,
+                   cursor=sampled.cursor, trained_tokens=int(np.sum(rows.host.valid)),
+                   metrics=logged, per_token=per_token, replay=replay)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateRows:
+  """A batch's episodes and the rows the update trains, built once.
+
+  episodes: the packed episodes (`Trajectory` [B, L], host arrays, on every process).
+  host: the update's rows as host arrays: `episodes` itself, or with a history window one row
+    per turn (`window.TurnRows`, then also `turns`).
+  tokens, valid, loss_mask: [R, L'] the update's rows on the mesh; positions: their agent
+    tokens, where log-probs are computed (`update.scored_positions`; None: every position).
+  to_episodes / to_rows: move a per-token array between the two layouts (identities
+    without a window).
+  """
+
+  episodes: Any
+  host: Any
+  turns: window.TurnRows | None
+  tokens: jax.Array
+  valid: jax.Array
+  loss_mask: jax.Array
+  positions: jax.Array | None
+  to_episodes: Callable
+  to_rows: Callable
+
+
+def update_rows(inputs: StepInputs, traj: Any) -> UpdateRows:
+  """The episodes `traj` (device or host arrays) and the update's rows of them."""
+  put = inputs.put
+  episodes = jax.device_get(traj)  # the whole batch, on every process
+  host, turns = _trained_rows(inputs, episodes)
+  to_episodes, to_rows = _layouts(turns, put, episodes.tokens.shape)
   # The log-probs' readers (the loss, the in-reward KL, the diagnostics; on the packed rows
   # through `to_episodes`) read these rows' agent tokens only; the overlong filter drops some.
-  positions = _scored_positions(put, trained.loss_mask)
-  to_episodes, to_rows = _layouts(turn_rows, put, host.tokens.shape)
+  return UpdateRows(episodes=episodes, host=host, turns=turns, tokens=put(host.tokens),
+                    valid=put(host.valid), loss_mask=put(host.loss_mask),
+                    positions=_scored_positions(put, host.loss_mask),
+                    to_episodes=to_episodes, to_rows=to_rows)
 
-  # ----- scoring: old (unless the update's forward gives them) and reference log-probs, values
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """[R, L'] on the update's rows: old log-probs (zeros when the update's own forward gives
+  them, `AlgorithmSpec.old_logprobs_from_update`), the reference's (zeros without one) and the
+  critic's values (zeros without one)."""
+
+  old_logprobs: jax.Array
+  ref_logprobs: jax.Array
+  values: jax.Array
+
+
+def score(inputs: StepInputs, state: state_lib.TrainState, rows: UpdateRows) -> Scores:
+  """The scoring passes over the update's rows; returns once they are computed."""
   score_logprobs, score_values = inputs.scorers
+  tokens, valid, positions = rows.tokens, rows.valid, rows.positions
   zeros = jnp.zeros(tokens.shape, jnp.float32, device=tokens.sharding)
-  old_logprobs = (zeros if spec.old_logprobs_from_update
+  old_logprobs = (zeros if inputs.spec.old_logprobs_from_update
                   else score_logprobs(state.policy, tokens, valid, positions))
   ref_logprobs = (score_logprobs(state.ref, tokens, valid, positions) if state.ref is not None
                   else zeros)
   values = score_values(state.critic, tokens, valid) if score_values is not None else zeros
   jax.block_until_ready((old_logprobs, ref_logprobs, values))
-  scored = time.perf_counter()
+  return Scores(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values)
 
-  # ----- advantages, over the episodes' packed rows -----
-  # Every agent token sits once in its episode's row, so each estimator sees the episodes
-  # (groups, turns, its critic's successive states) whatever the update's rows.
-  rewards, turn_rewards, overlong = overlong_lib.apply(host, spec.overlong,
+
+@dataclasses.dataclass(frozen=True)
+class Advantages:
+  """The estimator's inputs and outputs on the packed episodes [B, L]: the scores it read
+  (old log-probs, values), its advantages, returns and in-reward KL, and which episodes ran
+  over the length limit ([B] bool, `rl.overlong`)."""
+
+  old_logprobs: jax.Array
+  values: jax.Array
+  advantages: jax.Array
+  returns: jax.Array
+  reward_kl: jax.Array
+  overlong: np.ndarray
+
+
+def advantages(inputs: StepInputs, rows: UpdateRows, scores: Scores) -> Advantages:
+  """The estimator over the packed episodes: every agent token sits once in its episode's
+  row, so each estimator sees the episodes (groups, turns, its critic's successive states)
+  whatever the update's rows. Returns once they are computed."""
+  spec, put, episodes = inputs.spec, inputs.put, rows.episodes
+  rewards, turn_rewards, overlong = overlong_lib.apply(episodes, spec.overlong,
                                                        spec.overlong_penalty)
-  turns = (advantages_lib.Turns(index=put(host.turn_index), rewards=put(turn_rewards),
-                                anchors=put(host.turn_anchors)) if spec.uses_turns else None)
-  old_lp, ref_lp, old_values = map(to_episodes, (old_logprobs, ref_logprobs, values))
+  turns = (advantages_lib.Turns(index=put(episodes.turn_index), rewards=put(turn_rewards),
+                                anchors=put(episodes.turn_anchors))
+           if spec.uses_turns else None)
+  old_lp, ref_lp, values = map(rows.to_episodes, (scores.old_logprobs, scores.ref_logprobs,
+                                                  scores.values))
   adv, returns, reward_kl = inputs.advantages(
-      rewards=put(rewards), mask=mask if turn_rows is None else put(host.loss_mask),
-      group_ids=put(host.group_id), old_logprobs=old_lp, ref_logprobs=ref_lp,
-      values=old_values, turns=turns)
-  jax.block_until_ready(adv)
-  advantaged = time.perf_counter()
-  if spec.overlong == "filter":  # out of the loss, still in their group's baseline (DAPO)
-    mask = put(overlong_lib.mask_rows(trained.loss_mask, overlong,
-                                      None if turn_rows is None else turn_rows.episode))
-  batch = update_lib.build_batch(
-      spec, tokens=tokens, valid=valid, loss_mask=mask, old_logprobs=old_logprobs,
-      advantages=to_rows(adv), ref_logprobs=ref_logprobs, returns=to_rows(returns),
-      values=values, seq_tokens=None if turn_rows is None else put(turn_rows.episode_tokens),
-      rollout_logprobs=(put(trained.sample_logprobs) if spec.trains_with_rollout_logprobs
-                        else None),
-      scored_positions=positions)
+      rewards=put(rewards),
+      mask=rows.loss_mask if rows.turns is None else put(episodes.loss_mask),
+      group_ids=put(episodes.group_id), old_logprobs=old_lp, ref_logprobs=ref_lp,
+      values=values, turns=turns)
+  return Advantages(old_logprobs=old_lp, values=values, advantages=jax.block_until_ready(adv),
+                    returns=returns, reward_kl=reward_kl, overlong=overlong)
 
-  # One copy to the host of what the diagnostics (and a saved step) read.
+
+def update_batch(inputs: StepInputs, rows: UpdateRows, scores: Scores, adv: Advantages
+                 ) -> update_lib.Batch:
+  """The update's batch: the rows, their scores and advantages (`update.build_batch`)."""
+  spec, put = inputs.spec, inputs.put
+  mask = rows.loss_mask
+  if spec.overlong == "filter":  # out of the loss, still in their group's baseline (DAPO)
+    mask = put(overlong_lib.mask_rows(rows.host.loss_mask, adv.overlong,
+                                      None if rows.turns is None else rows.turns.episode))
+  return update_lib.build_batch(
+      spec, tokens=rows.tokens, valid=rows.valid, loss_mask=mask,
+      old_logprobs=scores.old_logprobs, advantages=rows.to_rows(adv.advantages),
+      ref_logprobs=scores.ref_logprobs, returns=rows.to_rows(adv.returns),
+      values=scores.values,
+      seq_tokens=None if rows.turns is None else put(rows.turns.episode_tokens),
+      rollout_logprobs=(put(rows.host.sample_logprobs) if spec.trains_with_rollout_logprobs
+                        else None),
+      scored_positions=rows.positions)
+
+
+def diagnostics(inputs: StepInputs, rows: UpdateRows, adv: Advantages,
+                episodes: list[Any], *, saving: bool
+                ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+  """The step's episode statistics and batch diagnostics (`_batch_diagnostics`), and the
+  per-token arrays a saved step keeps (advantages; values with a critic; empty unless
+  `saving`), from one copy to the host."""
+  spec = inputs.spec
   fetched = multihost.fetch(
-      {"adv": adv}
-      | ({} if spec.old_logprobs_from_update else {"old_logprobs": old_lp})
-      | ({"reward_kl": reward_kl} if spec.kl_in_reward else {})
-      | ({"values": old_values, "returns": returns} if spec.use_critic else {}))
-  logged.update(metrics_lib.episode_metrics(host, sampled.episodes))
-  logged.update(_batch_diagnostics(host, fetched, spec=spec))
-  logged["overlong/fraction"] = float(np.mean(overlong))
+      {"adv": adv.advantages}
+      | ({} if spec.old_logprobs_from_update else {"old_logprobs": adv.old_logprobs})
+      | ({"reward_kl": adv.reward_kl} if spec.kl_in_reward else {})
+      | ({"values": adv.values, "returns": adv.returns} if spec.use_critic else {}))
+  logged = metrics_lib.episode_metrics(rows.episodes, episodes)
+  logged.update(_batch_diagnostics(rows.episodes, fetched, spec=spec))
+  logged["overlong/fraction"] = float(np.mean(adv.overlong))
   if spec.overlong != "none":
     name = {"filter": "filtered", "penalty": "penalised"}[spec.overlong]
     logged[f"overlong/{name}"] = logged["overlong/fraction"]
-  logged.update({"time/score": scored - rolled, "time/advantages": advantaged - scored})
   per_token = ({"advantages": fetched["adv"]}
                | ({"values": fetched["values"]} if spec.use_critic else {})) if saving else {}
-  return StepBatch(batch=batch, host=host, episodes=sampled.episodes, cursor=sampled.cursor,
-                   trained_tokens=int(np.sum(trained.valid)), metrics=logged,
-                   per_token=per_token, replay=replay)
+  return logged, per_token
 
 
 def _masked_stats(prefix: str, x: np.ndarray, mask: np.ndarray) -> dict[str, float]:
