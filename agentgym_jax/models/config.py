@@ -65,6 +65,9 @@ class ModelConfig:
       "pallas", ...); "auto" resolves when a program is traced, per backend
       (`attention.resolve_attention`).
     initializer_range: std of the normal initialiser for fresh weights.
+    lora_rank: rank r of the LoRA adapters on the attention and MLP projections (`models.lora`);
+      0 (the default) is no adapters. With adapters the base weights are frozen.
+    lora_alpha: the adapters' scale is lora_alpha / lora_rank (Hu et al. 2021); > 0.
     bos_token_id, eos_token_id, pad_token_id: carried through for export only.
   """
 
@@ -88,6 +91,8 @@ class ModelConfig:
   attention: str = "auto"
   layer_loop: str = "auto"
   initializer_range: float = 0.02
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
   pad_token_id: int | None = None
@@ -108,6 +113,11 @@ class ModelConfig:
     attention.check_attention(self.attention)
     if self.layer_loop not in LAYER_LOOPS:
       raise ValueError(f"layer_loop {self.layer_loop!r} is not one of {LAYER_LOOPS}.")
+    if self.lora_rank < 0:
+      raise ValueError(f"lora_rank must be >= 0 (0 turns LoRA off), got {self.lora_rank}.")
+    if self.lora_alpha <= 0:
+      raise ValueError(f"lora_alpha must be > 0 (the adapters' scale is lora_alpha / "
+                       f"lora_rank), got {self.lora_alpha}.")
     if self.model_type not in _FAMILIES:
       raise ValueError(f"model_type {self.model_type!r} is not one of {sorted(_FAMILIES)}.")
     if self.rope_scaling is not None:
@@ -119,6 +129,11 @@ class ModelConfig:
   def dtype(self) -> jnp.dtype:
     """Parameter and activation dtype."""
     return jnp.dtype(self.param_dtype)
+
+  @property
+  def lora_scale(self) -> float:
+    """alpha / r: what the adapters' product is multiplied by (0 without adapters)."""
+    return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
 
   @property
   def group_size(self) -> int:

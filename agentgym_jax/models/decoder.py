@@ -20,6 +20,11 @@ CPU, the faster and (up to 4,096-token rows) smaller one there (`ModelConfig.lay
 behind a data dependency on its backward (`remat_after_cotangent`), since XLA:CPU ignores
 `jax.checkpoint` there. Parameters are one array per layer either way.
 
+With `cfg.lora_rank` > 0 each block's four projections carry LoRA adapters (`models.lora`):
+y = x @ W + (alpha / r) * (x @ A) @ B, in the training forward and the rollout's `extend` alike,
+and every base parameter is read through `stop_gradient` (`_base`), so gradients reach the
+adapters only. A model loaded without adapters gets them from `add_adapters`.
+
 The full-sequence (training) forward takes its RoPE tables as host constants, normalises the
 softmax after the value matmul and skips the key blocks above the causal diagonal: work outside
 the big matmuls, where a profile found XLA:CPU losing time (benchmarks/README.md, Update, has
@@ -28,6 +33,8 @@ the measurements, with those of the one-pass log-prob and entropy of `rl.logprob
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +42,7 @@ from flax import nnx
 
 from agentgym_jax import sharding
 from agentgym_jax.models import attention as attention_lib
+from agentgym_jax.models import lora as lora_lib
 from agentgym_jax.models.cache import KVCache
 from agentgym_jax.models.config import LAYER_LOOPS, ModelConfig
 
@@ -50,6 +58,13 @@ def _param(value: jax.Array, names: tuple[str | None, ...]) -> nnx.Param:
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], cfg: ModelConfig) -> jax.Array:
   x = cfg.initializer_range * jax.random.normal(rngs.params(), shape, jnp.float32)
   return x.astype(cfg.dtype)
+
+
+def _base(variable: nnx.Variable, cfg: ModelConfig) -> jax.Array:
+  """A base (non-adapter) parameter's value: frozen (no gradient) when the model has LoRA
+  adapters, so the backward computes no weight gradient the optimizer would not use."""
+  value = variable[...]
+  return jax.lax.stop_gradient(value) if cfg.lora_rank else value
 
 
 def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -70,11 +85,12 @@ class RMSNorm(nnx.Module):
     self.scale = _param(jnp.ones((dim,), dtype), names)
     self.eps = eps
 
-  def __call__(self, x: jax.Array) -> jax.Array:
-    """x [..., dim] -> [..., dim] in x's dtype."""
+  def __call__(self, x: jax.Array, frozen: bool = False) -> jax.Array:
+    """x [..., dim] -> [..., dim] in x's dtype; `frozen`: no gradient to the scale."""
     h = x.astype(jnp.float32)
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + self.eps)
-    return self.scale[...] * h.astype(x.dtype)
+    scale = jax.lax.stop_gradient(self.scale[...]) if frozen else self.scale[...]
+    return scale * h.astype(x.dtype)
 
 
 def rope_tables(cfg: ModelConfig, positions: jax.Array | np.ndarray
@@ -101,8 +117,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return (h * cos + rotated * sin).astype(x.dtype)
 
 
+# The block's projections: kernel attribute -> logical axis names of its [in, out] kernel.
+PROJECTIONS = {"qkv": ("embed", "qkv"), "o": ("heads", "embed"), "gate_up": ("embed", "mlp"),
+               "down": ("mlp", "embed")}
+
+
 class Block(nnx.Module):
-  """Pre-norm decoder block: x + attn(norm(x)), then x + swiglu(norm(x))."""
+  """Pre-norm decoder block: x + attn(norm(x)), then x + swiglu(norm(x)).
+
+  `lora`: the projections' LoRA adapters (`lora.Adapters`), or None.
+  """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, f, dh = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
@@ -118,28 +142,47 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(d, cfg.rms_norm_eps, cfg.dtype, ("norm",))
     self.gate_up = _param(_normal(rngs, (d, 2 * f), cfg), ("embed", "mlp"))
     self.down = _param(_normal(rngs, (f, d), cfg), ("mlp", "embed"))
+    # nnx.data: a data attribute even when None, so `add_adapters` may fill it in later.
+    self.lora = nnx.data(self.make_adapters(cfg, rngs) if cfg.lora_rank else None)
+
+  def make_adapters(self, cfg: ModelConfig, rngs: nnx.Rngs) -> lora_lib.Adapters:
+    """Fresh adapters of rank `cfg.lora_rank` for this block's projections (B = 0)."""
+    kernels = {name: (getattr(self, name).shape, names) for name, names in PROJECTIONS.items()}
+    return lora_lib.Adapters(kernels, cfg.lora_rank, rngs=rngs)
+
+  def _project(self, x: jax.Array, name: str) -> jax.Array:
+    """x [..., In] through projection `name`: x @ W, plus (alpha / r) * (x @ A) @ B with
+    adapters (A, B in x's dtype, as the mixed-precision forward casts every parameter)."""
+    out = dense(x, _base(getattr(self, name), self.cfg))
+    if self.lora is None:
+      return out
+    adapter = getattr(self.lora, name)
+    low_rank = dense(dense(x, adapter.lora_a[...].astype(x.dtype)),
+                     adapter.lora_b[...].astype(x.dtype))
+    return out + (self.cfg.lora_scale * low_rank).astype(out.dtype)
 
   def project_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array
                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, D] -> q [B, T, K, G, Dh], k [B, T, K, Dh], v [B, T, K, Dh] (RoPE applied)."""
     cfg = self.cfg
     b, t, _ = x.shape
-    h = dense(self.attn_norm(x), self.qkv[...])
+    frozen = cfg.lora_rank > 0
+    h = self._project(self.attn_norm(x, frozen), "qkv")
     if self.qkv_bias is not None:
-      h = h + self.qkv_bias[...]
+      h = h + _base(self.qkv_bias, cfg)
     h = h.reshape(b, t, cfg.num_kv_heads, cfg.group_size + 2, cfg.head_dim)
     q, k, v = h[:, :, :, :-2], h[:, :, :, -2], h[:, :, :, -1]
     if cfg.qk_norm:
-      q, k = self.q_norm(q), self.k_norm(k)
+      q, k = self.q_norm(q, frozen), self.k_norm(k, frozen)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
   def finish(self, x: jax.Array, attn_out: jax.Array) -> jax.Array:
     """Output projection, residual and MLP. x [B, T, D], attn_out [B, T, H * Dh]."""
-    x = x + dense(attn_out, self.o[...])
-    h = dense(self.mlp_norm(x), self.gate_up[...])
+    x = x + self._project(attn_out, "o")
+    h = self._project(self.mlp_norm(x, self.cfg.lora_rank > 0), "gate_up")
     h = h.reshape(h.shape[:-1] + (self.cfg.intermediate_size, 2))
     h = jax.nn.silu(h[..., 0]) * h[..., 1]
-    return x + dense(h, self.down[...])
+    return x + self._project(h, "down")
 
   def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, valid: jax.Array
                ) -> jax.Array:
@@ -254,7 +297,7 @@ class Backbone(nnx.Module):
   def _embed(self, tokens: jax.Array) -> jax.Array:
     # mode="clip": an out-of-range pad id must not turn into NaN, which would leak through
     # 0 * NaN into the attention of valid tokens.
-    return jnp.take(self.embed[...], tokens, axis=0, mode="clip")
+    return jnp.take(_base(self.embed, self.cfg), tokens, axis=0, mode="clip")
 
   def __call__(self, tokens: jax.Array, valid: jax.Array) -> jax.Array:
     """tokens [B, T] int32, valid [B, T] bool -> final-normed hidden states [B, T, D].
@@ -276,7 +319,7 @@ class Backbone(nnx.Module):
       layer = remat_after_cotangent(layer) if self.cfg.remat else layer
       for block in self.layers:
         x = layer(block, x)
-    return self.final_norm(x)
+    return self.final_norm(x, self.cfg.lora_rank > 0)
 
   def extend(self, tokens: jax.Array, num_new: jax.Array, cache: KVCache
              ) -> tuple[jax.Array, KVCache]:
@@ -299,7 +342,7 @@ class Backbone(nnx.Module):
       ks.append(k_buf)
       vs.append(v_buf)
     lengths = starts + num_new.astype(jnp.int32)
-    return self.final_norm(x), KVCache(k=tuple(ks), v=tuple(vs), lengths=lengths,
+    return self.final_norm(x, self.cfg.lora_rank > 0), KVCache(k=tuple(ks), v=tuple(vs), lengths=lengths,
                                        live=cache.live)
 
 
@@ -323,10 +366,10 @@ class Decoder(nnx.Module):
     """hidden [B, T, D] -> logits [B, T, V] float32 (accumulated in float32)."""
     rows = hidden.reshape(-1, hidden.shape[-1])  # 2-D for a fast backward (see `dense`)
     if self.lm_head is None:
-      logits = jnp.einsum("nd,vd->nv", rows, self.backbone.embed[...],
+      logits = jnp.einsum("nd,vd->nv", rows, _base(self.backbone.embed, self.cfg),
                           preferred_element_type=jnp.float32)
     else:
-      logits = jnp.einsum("nd,dv->nv", rows, self.lm_head[...],
+      logits = jnp.einsum("nd,dv->nv", rows, _base(self.lm_head, self.cfg),
                           preferred_element_type=jnp.float32)
     return logits.reshape(hidden.shape[:-1] + logits.shape[-1:])
 
@@ -354,3 +397,24 @@ class Decoder(nnx.Module):
     """
     hidden, cache = self.backbone.extend(tokens, num_new, cache)
     return self.logits_from_hidden(hidden), cache
+
+
+def replace_config(model: nnx.Module, cfg: ModelConfig) -> nnx.Module:
+  """Sets `cfg` (static) on every submodule of `model` holding the model config."""
+  for _, module in nnx.iter_modules(model):
+    if hasattr(module, "cfg"):
+      module.cfg = cfg
+  return model
+
+
+def add_adapters(model: Decoder, rank: int, alpha: float, *, seed: int,
+                 mesh: jax.sharding.Mesh) -> Decoder:
+  """`model` (built or loaded without adapters) with fresh LoRA adapters of rank `rank` on
+  every block (B = 0: the same function), created sharded on `mesh`, in place."""
+  if model.cfg.lora_rank:
+    raise ValueError(f"The model already has rank-{model.cfg.lora_rank} LoRA adapters.")
+  cfg = dataclasses.replace(model.cfg, lora_rank=rank, lora_alpha=alpha)
+  for i, block in enumerate(model.backbone.layers):
+    block.lora = sharding.sharded_init(
+        lambda block=block, i=i: block.make_adapters(cfg, nnx.Rngs(seed + i)), mesh)
+  return replace_config(model, cfg)

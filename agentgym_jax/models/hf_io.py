@@ -4,7 +4,8 @@ Import reads tensors memory-mapped, one at a time, and places each onto its fina
 (`sharding.put_global`: one device_put, or on several hosts each process's own shards), so a
 checkpoint is never materialised whole on one device. The HF layout is per-projection
 ([out, in] matrices); ours fuses q/k/v and gate/up into 2-D [in, out] kernels (see
-decoder.py), so import concatenates and export splits.
+decoder.py), so import concatenates and export splits. Export merges LoRA adapters into their
+kernels (`models.lora`), so transformers loads a plain model.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.models import lora
 from agentgym_jax.models.config import ModelConfig
-from agentgym_jax.models.decoder import Decoder
+from agentgym_jax.models.decoder import PROJECTIONS, Decoder
 
 _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -110,10 +112,15 @@ def _host_copy(x: jax.Array) -> np.ndarray:
 
 
 def to_hf_tensors(model: Decoder) -> Iterator[tuple[str, np.ndarray]]:
-  """Yields (HF name, numpy array) for every tensor of `model`, in HF layout."""
+  """Yields (HF name, numpy array) for every tensor of `model`, in HF layout; LoRA adapters
+  are merged into their kernels (W + alpha / r * A @ B), so the export is a plain model."""
   cfg = model.cfg
   flat = {tuple(path): _host_copy(var[...])
-          for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+          for path, var in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.LoRAParam)))}
+  for i, block in enumerate(model.backbone.layers):
+    for name in PROJECTIONS if block.lora is not None else ():
+      flat[("backbone", "layers", i, name)] = _host_copy(lora.merged_kernel(
+          getattr(block, name)[...], getattr(block.lora, name), cfg.lora_scale))
   for path, (names, _) in hf_param_plan(cfg).items():
     value = flat[path]
     if path[-1] in ("qkv", "qkv_bias"):

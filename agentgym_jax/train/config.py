@@ -132,6 +132,12 @@ def base_config() -> ml_collections.ConfigDict:
   # (float32 parameters and optimizer, bf16 matmuls and activations; upstream verl's FSDP
   # default, and half the activation memory of a long row).
   c.model.compute_dtype = "float32"
+  # LoRA (models/lora.py): rank r of adapters on every block's attention and MLP projections;
+  # 0 = off (full fine-tuning). With adapters the base weights are frozen (keep them in bf16
+  # with model.dtype), AdamW trains the adapters only, the KL reference is the base (adapters
+  # off, no second copy) and the export merges them. Scale lora_alpha / lora_rank.
+  c.model.lora_rank = 0
+  c.model.lora_alpha = 16.0
 
   # ----- tokenizer ---------------------------------------------------------------------------
   c.tokenizer = ml_collections.ConfigDict()
@@ -435,6 +441,12 @@ def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if config.model.attention not in attention_names():
     raise ValueError(f"model.attention {config.model.attention!r} is not one of "
                      f"{attention_names()}.")
+  if config.model.lora_rank < 0:
+    raise ValueError(f"model.lora_rank must be >= 0 (0 turns LoRA off), got "
+                     f"{config.model.lora_rank}.")
+  if config.model.lora_alpha <= 0:
+    raise ValueError(f"model.lora_alpha must be > 0 (the adapters' scale is lora_alpha / "
+                     f"lora_rank), got {config.model.lora_alpha}.")
   if config.model.layer_loop not in LAYER_LOOPS:
     raise ValueError(f"model.layer_loop {config.model.layer_loop!r} is not one of "
                      f"{LAYER_LOOPS}.")

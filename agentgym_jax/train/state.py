@@ -3,6 +3,10 @@
 Parameters are held as plain nested dicts (`nnx.State.to_pure_dict()`); a model is rebuilt
 inside jit with `nnx.merge(graphdef, params)`. Plain dicts keep the optimizer state, the
 checkpoint tree and the sharding tree free of NNX variable wrappers.
+
+With LoRA (`model.lora_rank` > 0, models/lora.py) the policy's parameters are the frozen base
+and its adapters: the optimizer updates (and keeps moments of) the adapters only, and the KL
+reference is the policy with its adapters off (`reference_params`), not a copy of it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.models import lora
 
 Params = Any  # nested dict of arrays
 
@@ -32,9 +37,12 @@ class TrainState:
       the state never needs to be split and a resumed run draws the same numbers.
     policy: policy parameters.
     opt_state: optax state of the policy optimizer.
-    ref: frozen reference-policy parameters for the KL term, or None without a KL term.
+    ref: frozen reference-policy parameters for the KL term, or None without a KL term or
+      when the reference is the policy with its LoRA adapters off (`reference_params`).
     critic: value-model parameters (gae), or None.
     critic_opt_state: optax state of the critic optimizer, or None.
+    reference_is_base: (static) the KL reference is the policy's base weights, its LoRA
+      adapters off.
   """
 
   step: jax.Array
@@ -44,6 +52,19 @@ class TrainState:
   ref: Params | None = None
   critic: Params | None = None
   critic_opt_state: optax.OptState | None = None
+  reference_is_base: bool = struct.field(pytree_node=False, default=False)
+
+
+def reference_params(state: TrainState) -> Params | None:
+  """The KL reference's parameters: `state.ref`, or the policy with its LoRA adapters off
+  (B = 0; the base arrays themselves, no copy); None when the run keeps no reference."""
+  return lora.adapters_off(state.policy) if state.reference_is_base else state.ref
+
+
+def has_adapters(params: Params) -> bool:
+  """Whether a plain parameter dict holds LoRA adapters."""
+  paths = jax.tree_util.tree_flatten_with_path(params)[0]
+  return any(lora.is_adapter(path) for path, _ in paths)
 
 
 # The random streams of a trainer step (`step_key`); evaluations use `evaluate.eval_key`.
@@ -96,13 +117,25 @@ def make_optimizer(optim: ml_collections.ConfigDict, schedule: optax.Schedule
   return adamw
 
 
+def adapters_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`tx` over the LoRA adapters (and a value model's head; clipping included: the norm is
+  theirs), zero updates and no state for the frozen base weights, which stay bit for bit as
+  they were (`lora.trainable_labels`)."""
+  return optax.multi_transform({"trained": tx, "frozen": optax.set_to_zero()},
+                               lora.trainable_labels)
+
+
 def opt_state_shardings(tx: optax.GradientTransformation, params: Params,
                         param_shardings: Any, mesh: Mesh) -> Any:
-  """Shardings of tx.init(params): moments follow their parameter, scalars are replicated."""
+  """Shardings of tx.init(params): moments follow their parameter, scalars are replicated.
+  A masked optimizer's placeholders for the parameters it leaves alone (`adapters_only`'s
+  frozen ones) stay placeholders: they hold no array."""
   abstract = jax.eval_shape(tx.init, params)
   replicated = NamedSharding(mesh, P())
-  return optax.tree_map_params(tx, lambda _, sh: sh, abstract, param_shardings,
-                               transform_non_params=lambda _: replicated)
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  return optax.tree_map_params(tx, lambda x, sh: x if masked(x) else sh, abstract,
+                               param_shardings, transform_non_params=lambda _: replicated,
+                               is_leaf=masked)
 
 
 def param_shardings(module: nnx.Module, mesh: Mesh) -> Any:
@@ -124,11 +157,15 @@ class Optimizers:
     """Both optimizers from `config.optim`, durations scaled to optimizer updates."""
     updates = config.algo.epochs * config.algo.minibatches
     policy_lr = lr_schedule(config.optim, config.optim.lr, config.total_steps, updates)
+    policy = make_optimizer(config.optim, policy_lr)
+    # With LoRA the critic (its backbone a copy of the policy's, adapters included) trains
+    # its adapters and its head.
+    trains = adapters_only if config.model.lora_rank else (lambda tx: tx)
     if not with_critic:
-      return cls(make_optimizer(config.optim, policy_lr), policy_lr)
+      return cls(trains(policy), policy_lr)
     critic_lr = lr_schedule(config.optim, config.optim.critic_lr, config.total_steps, updates)
-    return cls(make_optimizer(config.optim, policy_lr), policy_lr,
-               make_optimizer(config.optim, critic_lr), critic_lr)
+    return cls(trains(policy), policy_lr, trains(make_optimizer(config.optim, critic_lr)),
+               critic_lr)
 
 
 def init_train_state(*, policy: Params, critic: Params | None, keep_reference: bool,
@@ -137,11 +174,14 @@ def init_train_state(*, policy: Params, critic: Params | None, keep_reference: b
   """Builds step 0 of the train state, already laid out with `shardings`.
 
   The reference is a copy of the initial policy (its own buffers, so donating the state in
-  the update never invalidates it), and optimizer states are created by a jitted init with
-  their final shardings, so no moment buffer is ever whole on one device.
+  the update never invalidates it), or with LoRA adapters the policy itself with its adapters
+  off (`reference_params`), and optimizer states are created by a jitted init with their final
+  shardings, so no moment buffer is ever whole on one device.
   """
+  base_reference = keep_reference and has_adapters(policy)
+
   def build(policy, critic):
-    ref = jax.tree.map(jnp.copy, policy) if keep_reference else None
+    ref = jax.tree.map(jnp.copy, policy) if keep_reference and not base_reference else None
     critic_opt = optimizers.critic.init(critic) if critic is not None else None
     return TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -150,7 +190,8 @@ def init_train_state(*, policy: Params, critic: Params | None, keep_reference: b
         opt_state=optimizers.policy.init(policy),
         ref=ref,
         critic=critic,
-        critic_opt_state=critic_opt)
+        critic_opt_state=critic_opt,
+        reference_is_base=base_reference)
 
   return jax.jit(build, out_shardings=shardings)(policy, critic)
 
@@ -160,6 +201,7 @@ def train_state_shardings(*, policy_shardings: Any, critic_shardings: Any | None
                           critic: Params | None, mesh: Mesh) -> TrainState:
   """A TrainState-shaped tree of NamedShardings for the update's in/out shardings."""
   replicated = NamedSharding(mesh, P())
+  base_reference = keep_reference and has_adapters(policy)
   critic_opt = None
   if critic is not None:
     critic_opt = opt_state_shardings(optimizers.critic, critic, critic_shardings, mesh)
@@ -168,9 +210,10 @@ def train_state_shardings(*, policy_shardings: Any, critic_shardings: Any | None
       rng=replicated,
       policy=policy_shardings,
       opt_state=opt_state_shardings(optimizers.policy, policy, policy_shardings, mesh),
-      ref=policy_shardings if keep_reference else None,
+      ref=policy_shardings if keep_reference and not base_reference else None,
       critic=critic_shardings if critic is not None else None,
-      critic_opt_state=critic_opt)
+      critic_opt_state=critic_opt,
+      reference_is_base=base_reference)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,9 @@ Structural config arguments shared by all five (`--config=<env>.py:k=v,...`):
             greedy evaluation of the first 20 test tasks).
   runlocal  a tiny random model, a small BPE tokenizer, few tasks and 2 steps, for a CPU;
             with model=smollm2 it keeps SmolLM2 and shrinks only the rest.
+  lora      0 (full fine-tuning, the paper's) | R: LoRA adapters of rank R on every
+            projection, the base weights frozen in bfloat16, AdamW over the adapters at 10x
+            the recipe's lr (`with_lora`); e.g. `babyai.py:schedule=fixed,model=7b,lora=16`.
 
 The commands every environment ENV shares (each file gives its training command and the
 paper's evaluation turns T and tokens per turn N):
@@ -132,7 +135,7 @@ class Experiment:
 def parse(arg: str | None) -> ml_collections.ConfigDict:
   """The structural arguments with their defaults; unknown keys and values are errors."""
   args = base.parse_arg(arg, schedule="fixed", algo="grpo", model="7b", slice=SLICE,
-                        runlocal=False)
+                        runlocal=False, lora=0)
   tpus.Slice.parse(args.slice)  # a name it cannot read is an error naming the right form
   _check(args.schedule, SCHEDULES, "schedule")
   _check(args.algo, tuple(ALGORITHMS), "algo")
@@ -174,7 +177,20 @@ def _config(arg: str | None, experiment: Experiment) -> ml_collections.ConfigDic
   if args.runlocal:
     shrink_for_cpu(c, args, experiment.runlocal_context)
     c.update_from_flattened_dict(experiment.runlocal)
+  if args.lora:
+    with_lora(c, args.lora)
   return base.lock(c)
+
+
+def with_lora(c: ml_collections.ConfigDict, rank: int) -> None:
+  """LoRA of rank `rank` instead of full fine-tuning (models/lora.py): adapters on every
+  block's projections (scale model.lora_alpha / rank), the frozen base weights in bfloat16
+  (no optimizer moments and no float32 master copy for them), and 10x the recipe's learning
+  rate: LoRA's best learning rate is about 10x full fine-tuning's (Schulman et al. 2025,
+  "LoRA Without Regret", Thinking Machines Lab)."""
+  c.model.lora_rank = rank
+  c.model.dtype = "bfloat16"
+  c.optim.lr = 10 * c.optim.lr
 
 
 def paper_config(args: ml_collections.ConfigDict, s: Setting) -> ml_collections.ConfigDict:
