@@ -116,6 +116,31 @@ def test_adapter_math_is_x_w_plus_alpha_over_r_x_a_b():
                              rtol=1e-5, atol=1e-6)
 
 
+def test_the_rollouts_sampled_logprobs_are_the_adapted_models():
+  """The sampler (prefill and decode through `extend`) draws from the model with its
+  adapters: its log-probs are the training forward's, not the base model's."""
+  from agentgym_jax.rollout import sampler  # pylint: disable=import-outside-toplevel
+  base_model, model = _with_adapters()
+  _randomise_b(model)
+  prompts = np.asarray([[5, 17, 3, 9], [11, 2, 40, 41]], np.int32)
+  graphdef, params = nnx.split(model)
+  cache, logits = sampler.extend(graphdef, params, KVCache.init(model.cfg, 2, 32),
+                                 jnp.zeros((2, CFG.vocab_size)), prompts, np.asarray([4, 4]))
+  settings = sampler.SamplingConfig(temperature=1.0, max_reply_tokens=8)
+  turn = sampler.Turn.idle(jax.random.split(jax.random.key(0), 2), 8).replace(
+      running=jnp.ones(2, bool))
+  _, _, turn = sampler.decode(graphdef, params, cache, logits, turn, np.asarray([8, 8]), (),
+                              settings)
+  sampled = np.asarray(turn.tokens)
+  assert np.asarray(turn.counts).tolist() == [8, 8]
+  rows = jnp.asarray(np.concatenate([prompts, sampled], axis=1))
+  valid = jnp.ones(rows.shape, bool)
+  for scorer, close in ((model, True), (base_model, False)):
+    full = np.asarray(jax.nn.log_softmax(scorer(rows, valid)))
+    want = np.take_along_axis(full[:, 3:-1], sampled[..., None], axis=-1)[..., 0]
+    assert np.allclose(np.asarray(turn.logprobs), want, atol=1e-4) == close
+
+
 def test_merged_export_loads_in_transformers_with_our_logits(tmp_path):
   """W + alpha / r * A @ B exported: transformers computes our adapted model's logits (the
   training forward and the rollout's) within the HF parity tolerance."""
@@ -232,13 +257,12 @@ def test_paper_configs_take_a_lora_rank():
     babyai.get_config("lora=-2")
 
 
-def _train(workdir, *overrides):
-  """The trainer's command line on keypad's runlocal config, one CPU device."""
+def _cli(module, *args):
+  """`python -m module` on keypad's runlocal config, one CPU device."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)  # one device: conftest's eight would only slow the run down
   result = subprocess.run(
-      [sys.executable, "-m", "agentgym_jax.train", "--config=experiments/keypad/learn.py:runlocal",
-       f"--workdir={workdir}", "--config.log.progress_bar=False", *overrides],
+      [sys.executable, "-m", module, "--config=experiments/keypad/learn.py:runlocal", *args],
       cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
 
@@ -246,11 +270,14 @@ def _train(workdir, *overrides):
 def test_a_training_run_with_adapters_checkpoints_resumes_and_exports_merged(tmp_path):
   """keypad's runlocal config with rank-4 adapters through the trainer's command line: one
   step, then a resumed second; the checkpoints hold the base unchanged, the adapters trained
-  and no reference, and the export is a plain model transformers loads."""
+  and no reference, the export is a plain model transformers loads, and the evaluation
+  command reads the checkpoint."""
   workdir = str(tmp_path / "run")
   flags = ["--config.model.lora_rank=4", "--config.optim.lr=1e-2"]
-  _train(workdir, *flags, "--config.total_steps=1")
-  _train(workdir, *flags, "--config.total_steps=2")
+  train = lambda *more: _cli("agentgym_jax.train", f"--workdir={workdir}",
+                             "--config.log.progress_bar=False", *flags, *more)
+  train("--config.total_steps=1")
+  train("--config.total_steps=2")
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     lines = [json.loads(line) for line in f]
   assert [m["step"] for m in lines if "actor/grad_norm" in m] == [1, 2]
@@ -272,3 +299,8 @@ def test_a_training_run_with_adapters_checkpoints_resumes_and_exports_merged(tmp
   transformers = pytest.importorskip("transformers")
   exported = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(workdir, "hf"))
   assert not any("lora" in name for name, _ in exported.named_parameters())
+  # The evaluation command reads the adapted policy back from the checkpoint.
+  _cli("agentgym_jax.evaluate", "--config.model.lora_rank=4", f"--checkpoint={workdir}",
+       f"--output={tmp_path / 'eval'}", "--num_tasks=2")
+  with open(tmp_path / "eval" / "eval_test.json") as f:
+    assert "step 2" in json.load(f)["label"]
