@@ -21,7 +21,13 @@ average is printed at the start and before the result, with a warning above one 
 CPU; benchmarks/README.md has the numbers).
 
     .venv/bin/python benchmarks/async_bench.py [--env_latency 0.05 --steps 8 --staleness 1
-        --rollout_devices 0]
+        --rollout_devices 0 --layers 2 --hidden 64 --reply_tokens 4]
+
+The model's size and the reply length set how the step's time splits between decoding,
+waiting for the environments and the update; the run prints each part. Overlap can only hide
+the shorter of (rollout, update), and on a machine's shared cores only the rollout's waits:
+with rollout D + E (decoding, environment waits) and update U, the ratio is at most
+(D + E + U) / max(D + E, D + U).
 """
 
 from __future__ import annotations
@@ -75,11 +81,20 @@ def main() -> None:
   parser.add_argument("--staleness", type=int, default=1, help="the async run's max_staleness")
   parser.add_argument("--rollout_devices", type=int, default=0,
                       help="CPU devices of the async rollout's own (0: the trainer's)")
+  parser.add_argument("--layers", type=int, default=2, help="the model's blocks")
+  parser.add_argument("--hidden", type=int, default=64, help="the model's width")
+  parser.add_argument("--reply_tokens", type=int, default=4,
+                      help="tokens decoded per turn (rollout.max_reply_tokens)")
   args = parser.parse_args()
   if args.steps < 2 or args.staleness < 1:
     raise SystemExit("--steps must be >= 2 (step 1 is not timed) and --staleness >= 1.")
   env = ["--config.env.name=scripted",
-         f"--config.env.kwargs={{'step_latency_s': {args.env_latency}, 'max_steps': 3}}"]
+         f"--config.env.kwargs={{'step_latency_s': {args.env_latency}, 'max_steps': 3}}",
+         f"--config.model.arch.num_layers={args.layers}",
+         f"--config.model.arch.hidden_size={args.hidden}",
+         f"--config.rollout.max_reply_tokens={args.reply_tokens}",
+         # Room for 3 turns of replies (rows are as long as the longest episode).
+         "--config.rollout.max_context=512", "--config.model.arch.max_position_embeddings=512"]
   asynchronous = [f"--config.rollout.max_staleness={args.staleness}",
                   "--config.algo.tis_cap=2.0",
                   f"--config.rollout.devices={args.rollout_devices}"]
