@@ -114,7 +114,7 @@ def test_a_restarted_mixture_draws_from_its_cursor_what_the_first_would_have():
     (lambda c: setattr(c.env.mix.textcraft, "max_turns", -1),
      r"config\.env\.mix\.textcraft\.max_turns=-1"),
     (lambda c: setattr(c.env.mix.textcraft, "categories", ("depth9",)),
-     r"config\.env\.categories names \['depth9'\]"),
+     r"config\.env\.mix\.textcraft: config\.env\.categories names \['depth9'\]"),
     (lambda c: setattr(c.env, "name", "babyai"),
      r"config\.env\.mix lists environments but config\.env\.name is 'babyai'"),
     (lambda c: setattr(c.env, "categories", ("depth1",)),

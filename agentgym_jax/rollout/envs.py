@@ -131,7 +131,7 @@ def _check_mixture(config: ml_collections.ConfigDict) -> None:
     if missing or unknown:
       raise ValueError(f"{where} lacks {missing} and has unknown {unknown}; its fields are "
                        f"{MEMBER_FIELDS}.")
-    if entry.name not in environments.local_names() or entry.name == MIX:
+    if entry.name not in environments.local_names():
       raise ValueError(f"Unknown environment {where}.name={entry.name!r}; set it to one of "
                        f"{environments.local_names()}.")
     if not entry.ratio > 0:
@@ -143,7 +143,10 @@ def _check_mixture(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.env.mix ratios sum to {sum(ratios.values()):g} ({ratios}); "
                      "they must sum to 1.")
   for m in members(config):
-    check(m.config)
+    try:
+      check(m.config)
+    except ValueError as error:  # say which environment of the mixture
+      raise ValueError(f"config.env.mix.{m.label}: {error}") from None
     largest = max((max(ids, default=0) for ids in task_splits(m.config).values()), default=0)
     if largest >= TASK_STRIDE:
       raise ValueError(f"config.env.mix.{m.label}: task id {largest} does not fit below "
