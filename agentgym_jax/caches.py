@@ -115,6 +115,10 @@ class CompileCounter:
     self._totals = _totals
     self._last = self._totals.read()
 
+  def built(self) -> int:
+    """Executables built since the counter's creation (`take` does not reset it)."""
+    return int(self._totals.read()[0])
+
   def take(self) -> dict[str, float]:
     """What was built since the last `take` (or the creation), as metrics:
 

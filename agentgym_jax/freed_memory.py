@@ -21,8 +21,9 @@ width and cache length, a decode loop, an update) keeps about 40 MiB of SmolLM2-
 while JAX holds it, and a run meets a new shape every few steps, so resident memory climbs by
 hundreds of MiB a step. `release_programs()` drops them all; the next call of each jitted
 function traces again and loads its program from the persistent compilation cache
-(agentgym_jax/caches.py) instead of compiling it. The trainer calls it at a step boundary once
-`compile.max_programs` programs have been built since the last release.
+(agentgym_jax/caches.py) instead of compiling it. The trainer calls it between a step's batch
+and its update once `compile.max_programs` programs have been built since the last release, so
+that the rollout's programs are not held through the update's peak.
 """
 
 from __future__ import annotations

@@ -122,3 +122,17 @@ def test_an_unwritable_cache_dir_stops_the_command_with_one_line(tmp_path):
   line = result.stderr.strip().splitlines()[-1]
   assert line.startswith("FATAL: config.compile.cache_dir: cannot create") and "--config" in line
   assert not (tmp_path / "run").exists()
+
+
+def test_programs_released_before_each_update_are_reloaded_and_train_the_same(runs):
+  # compile.max_programs=1: every step drops its programs between its batch and its update;
+  # the next step loads them back from the cache. The run trains the same as one keeping them.
+  released = train(runs["root"] / "released", runs["cache"], "--config.compile.max_programs=1")
+  kept = runs["warm"]
+  for r in released[1:]:
+    assert r["compile/count"] > 0 and r["compile/cache_hits"] == r["compile/count"], r
+  for a, b in zip(released, kept):
+    for key in b:
+      if not key.startswith(("time/", "compile/", "rollout/tokens_per_s", "update/tokens_per_s",
+                             "rollout/env_seconds")):
+        assert a[key] == b[key], key

@@ -349,9 +349,10 @@ def base_config() -> ml_collections.ConfigDict:
   # $XDG_CACHE_HOME if set). Read by the command lines at start, not by `loop.train`.
   c.compile.cache_dir = caches.default_compilation_cache_dir()
   # Programs built (compiled or loaded) since the last release after which the trainer drops
-  # them all at the end of a step (agentgym_jax/freed_memory.py `release_programs`): on CPU each
-  # of a real model's executables holds tens of MiB of host memory. 0 keeps every program (the
-  # default: on accelerators their host memory is small and a reload costs more).
+  # them all, between a step's batch and its update (agentgym_jax/freed_memory.py
+  # `release_programs`; the next step reloads what it runs from the compilation cache): on CPU
+  # each of a real model's executables holds tens of MiB of host memory. 0 keeps every program
+  # (the default: on accelerators their host memory is small and a reload costs more).
   c.compile.max_programs = 0
 
   # ----- mesh --------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   # Executables built from here on: each step's metrics count those since the step before, so
   # the first step's include the start-up's (the model's init, the starting evaluation).
   compiles = caches.CompileCounter()
-  programs = 0  # built since the last release (config.compile.max_programs)
+  released_at = 0  # compiles.built() at the last release of programs (compile.max_programs)
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
     metrics_lib.write_run_info(workdir, config)
@@ -216,6 +216,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       got = make_batch(inputs, state, step, cursor, max_turns, saving)
       cursor = got.cursor
       horizon = schedule.advance(config.schedule, horizon, step, got.metrics)
+      # Programs hold host memory (freed_memory.py). Dropped here, between the batch and the
+      # update, the rollout's are not held through the update's peak; an asynchronous run's
+      # rollout thread may be tracing, so only the synchronous loop drops them.
+      if (config.compile.max_programs and not rollouts
+          and compiles.built() - released_at > config.compile.max_programs):
+        freed_memory.release_programs()
+        released_at = compiles.built()
       clock.append(time.perf_counter())
       state, update_metrics = update_step(state, got.batch)
       if rollouts:
@@ -246,12 +253,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       compile_metrics = compiles.take()
       last = step_metrics(got, update_metrics, eval_metrics, clock, compile_metrics,
                           config=config, max_turns=max_turns)
-      # Programs hold host memory (freed_memory.py); an asynchronous run's rollout thread may
-      # be tracing, so only the synchronous loop drops them.
-      programs += int(compile_metrics["compile/count"])
-      if config.compile.max_programs and programs > config.compile.max_programs and not rollouts:
-        freed_memory.release_programs()
-        programs = 0
       if writer and _due(done, config.log.every_steps, config.total_steps):
         writer.write(done, last)
       progress.update(1)
