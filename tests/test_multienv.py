@@ -21,6 +21,7 @@ import pytest
 
 from agentgym_jax import evaluate
 from agentgym_jax.rollout import envs
+from agentgym_jax.rollout.episodes import opening_messages
 from agentgym_jax.train import config as base
 from agentgym_jax.train import data, sources
 
@@ -157,7 +158,22 @@ def test_mixed_pool_routes_each_episode_and_gives_its_environment_s_opening():
     assert opened[1].info["acknowledgement"] == pool.pools[0].env_cls.acknowledgement
     stepped = pool.step([1, 0], ["Action:\nturn left", "Action:\ninventory"])
     assert not any(out.failed for out in stepped)
-    assert "Inventory" in stepped[1].observation or "inventory" in stepped[1].observation.lower()
+    assert [out.info["action"] for out in stepped] == ["turn left", "inventory"]
+    # Overlapped rollouts submit and collect: both environments' pools answer.
+    pool.submit([0, 1], ["Action:\ninventory", "Action:\nturn right"])
+    answered = {}
+    while pool.in_flight:
+      answered.update(pool.collect(None))
+    assert [answered[slot].info["action"] for slot in (0, 1)] == ["inventory", "turn right"]
+
+
+def test_the_opening_takes_its_environment_s_system_prompt_from_the_reset():
+  info = {"instruction": "Craft.", "acknowledgement": "OK.", "system_prompt": "You craft."}
+  assert opening_messages(info, "Goal: stick.", "The run's prompt.", "Ack.") == [
+      {"role": "system", "content": "You craft."}, {"role": "user", "content": "Craft."},
+      {"role": "assistant", "content": "OK."}, {"role": "user", "content": "Goal: stick."}]
+  info["system_prompt"] = None  # this environment has none, whatever the run's
+  assert opening_messages(info, "Goal: stick.", "The run's prompt.", "Ack.")[0]["role"] == "user"
 
 
 def test_evaluation_takes_the_first_tasks_of_each_environment():
