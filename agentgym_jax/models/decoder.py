@@ -211,11 +211,12 @@ def resolve_layer_loop(loop: str, platform: str | None = None) -> str:
 def _after(first, tree):
   """`tree`, unchanged in value, but computed only once every array of `first` exists.
 
-  x + 0 * s, with s one element of each of `first`'s arrays: XLA does not fold a float
+  x + 0 * s, with s the max of each of `first`'s arrays: XLA does not fold a float
   multiplication by zero (it would change NaN and inf), so the dependency survives, where
-  XLA:CPU drops `lax.optimization_barrier` before scheduling.
+  XLA:CPU drops `lax.optimization_barrier` before scheduling. A max needs every element
+  (one element would not: XLA computes a slice of a matmul from slices of its operands).
   """
-  s = sum(jnp.ravel(a)[0].astype(jnp.float32) for a in jax.tree.leaves(first))
+  s = sum(jnp.max(a).astype(jnp.float32) for a in jax.tree.leaves(first))
   return jax.tree.map(lambda a: a + (0 * s).astype(a.dtype), tree)
 
 
