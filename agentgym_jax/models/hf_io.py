@@ -118,7 +118,9 @@ def to_hf_tensors(model: Decoder) -> Iterator[tuple[str, np.ndarray]]:
   flat = {tuple(path): _host_copy(var[...])
           for path, var in nnx.to_flat_state(nnx.state(model, nnx.Not(nnx.LoRAParam)))}
   for i, block in enumerate(model.backbone.layers):
-    for name in PROJECTIONS if block.lora is not None else ():
+    if block.lora is None:
+      continue
+    for name in PROJECTIONS:
       flat[("backbone", "layers", i, name)] = _host_copy(lora.merged_kernel(
           getattr(block, name)[...], getattr(block.lora, name), cfg.lora_scale))
   for path, (names, _) in hf_param_plan(cfg).items():
