@@ -19,9 +19,11 @@ import ml_collections
 import numpy as np
 import pytest
 
+import environments
 from agentgym_jax import evaluate
 from agentgym_jax.rollout import envs
 from agentgym_jax.rollout.episodes import opening_messages
+from agentgym_jax.tokenization import ChatTokenizer
 from agentgym_jax.train import config as base
 from agentgym_jax.train import data, sources
 
@@ -139,6 +141,24 @@ def test_a_mixture_member_with_missing_or_unknown_fields_is_named():
     envs.check(config)
   with pytest.raises(ValueError, match=r"config\.env\.name='mix' needs its environments"):
     envs.check(mixture())
+
+
+def test_behaviour_cloning_mixes_each_environment_s_demonstrations_by_ratio(tmp_path):
+  config = babyai_and_textcraft()
+  config.bc.num_tasks, config.bc.cache_dir = 3, str(tmp_path)
+  corpus = [environments.env_class(n).instruction for n in ("babyai", "textcraft")] * 10
+  tok = ChatTokenizer.train_bpe(corpus, vocab_size=300)
+  demos = sources.demonstrations(config, tok)
+  babyai, textcraft = envs.members(config)
+  # Each environment's first 3 training tasks, played by its own expert in its own episode
+  # layout (TextCraft's with its system prompt), ids the mixed run's.
+  assert [e.task_id for e in demos] == (
+      [babyai.encode(t) for t in envs.training_tasks(babyai.config)[:3]]
+      + [textcraft.encode(t) for t in envs.training_tasks(textcraft.config)[:3]])
+  assert [e.messages[0]["role"] for e in demos] == ["user"] * 3 + ["system"] * 3
+  assert all(e.success for e in demos)
+  order = sources.task_stream(config, demos).take(0, 6)
+  assert sorted(order[0::2]) == [0, 1, 2] and sorted(order[1::2]) == [3, 4, 5]
 
 
 # ----- the pool and the evaluation split --------------------------------------------------------
