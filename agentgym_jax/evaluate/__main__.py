@@ -130,7 +130,8 @@ def _define_flags() -> dict[str, Any]:
       "num_samples": flags.DEFINE_integer(
           "num_samples", None, "n: samples per task (default: config.eval.group_size)."),
       "num_tasks": flags.DEFINE_integer(
-          "num_tasks", None, "First N tasks of the split; 0 = all (default: config)."),
+          "num_tasks", None, "First N tasks of the split (of each environment's in a "
+          "mixture); 0 = all (default: config)."),
       "max_turns": flags.DEFINE_integer(
           "max_turns", None, "Turn limit (default: the schedule's longest horizon)."),
       "max_reply_tokens": flags.DEFINE_integer(
