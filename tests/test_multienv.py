@@ -104,6 +104,20 @@ def test_a_restarted_mixture_draws_from_its_cursor_what_the_first_would_have():
   assert sources.task_stream(config).take(7, 3) == uninterrupted[7:10]
 
 
+def test_each_environment_runs_alone_in_its_member_config_its_cap_on_the_schedule():
+  config = babyai_and_textcraft()
+  config.schedule.kind, config.schedule.horizons = "scaling_inter", (2, 6, 10)
+  babyai, textcraft = envs.members(config)
+  assert (babyai.label, babyai.config.env.name, babyai.max_turns) == ("babyai", "babyai", 3)
+  # ScalingInter's phases, each capped at BabyAI's 3 turns (its demonstrations' limit too);
+  # TextCraft has no cap of its own.
+  assert babyai.config.schedule.horizons == (2, 3, 3)
+  assert textcraft.config.schedule.horizons == (2, 6, 10)
+  assert textcraft.config.env.categories == ("depth1",)
+  assert textcraft.config.env.system_prompt == "You craft."
+  assert not textcraft.config.env.mix and config.env.name == envs.MIX  # the run's is untouched
+
+
 # ----- bad input ------------------------------------------------------------------------------
 
 
