@@ -269,11 +269,11 @@ def _cli(module, *args):
 
 def test_a_training_run_with_adapters_checkpoints_resumes_and_exports_merged(tmp_path):
   """keypad's runlocal config with rank-4 adapters through the trainer's command line: one
-  step, then a resumed second; the checkpoints hold the base unchanged, the adapters trained
-  and no reference, the export is a plain model transformers loads, and the evaluation
+  step, then a resumed second; the KL to the reference (the base) starts at 0, the
+  checkpoints hold the base unchanged, the adapters trained and no reference, the export is a plain model transformers loads, and the evaluation
   command reads the checkpoint."""
   workdir = str(tmp_path / "run")
-  flags = ["--config.model.lora_rank=4", "--config.optim.lr=1e-2"]
+  flags = ["--config.model.lora_rank=4", "--config.optim.lr=1e-2", "--config.algo.kl_coef=0.01"]
   train = lambda *more: _cli("agentgym_jax.train", f"--workdir={workdir}",
                              "--config.log.progress_bar=False", *flags, *more)
   train("--config.total_steps=1")
@@ -281,6 +281,8 @@ def test_a_training_run_with_adapters_checkpoints_resumes_and_exports_merged(tmp
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     lines = [json.loads(line) for line in f]
   assert [m["step"] for m in lines if "actor/grad_norm" in m] == [1, 2]
+  # The KL reference is the base, which the policy still is in step 1 (B = 0): no KL.
+  assert abs(lines[1]["actor/kl"]) < 1e-6, lines[1]["actor/kl"]
   policy = {}
   for step in (1, 2):
     saved = ocp.StandardCheckpointer().restore(

@@ -356,7 +356,8 @@ def score(inputs: StepInputs, state: state_lib.TrainState, rows: UpdateRows) -> 
   zeros = jnp.zeros(tokens.shape, jnp.float32, device=tokens.sharding)
   old_logprobs = (zeros if inputs.spec.old_logprobs_from_update
                   else score_logprobs(state.policy, tokens, valid, positions))
-  ref_logprobs = (score_logprobs(state.ref, tokens, valid, positions) if state.ref is not None
+  reference = state_lib.reference_params(state)  # with LoRA: the policy, its adapters off
+  ref_logprobs = (score_logprobs(reference, tokens, valid, positions) if reference is not None
                   else zeros)
   values = score_values(state.critic, tokens, valid) if score_values is not None else zeros
   jax.block_until_ready((old_logprobs, ref_logprobs, values))
