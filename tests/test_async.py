@@ -297,6 +297,7 @@ def test_partial_rollouts_keep_every_turn_within_the_bound(tmp_path, compile_cac
     assert versions <= {m["step"] - 2, m["step"] - 1}, versions
 
 
+@pytest.mark.slow  # ~30 s; tests/test_faults.py runs the synchronous loop's in the default suite
 def test_an_async_run_whose_episodes_all_fail_stops_with_a_checkpoint_and_resumes(
     tmp_path, compile_cache):
   workdir = str(tmp_path / "run")

@@ -26,9 +26,10 @@ CASES = [
                  RATIO, id="update"),
     pytest.param("rollout_bench.py", ["--episodes", "4", "--turns", "2", "--reply", "4",
                                       "--repeats", "1", "--group_size", "2"], RATIO,
-                 id="rollout"),
+                 id="rollout", marks=pytest.mark.slow),
     pytest.param("decode_bench.py", ["--model", "d64", "--rows", "4", "--prompt", "32",
-                                     "--new", "4", "--repeats", "1"], RATIO, id="decode"),
+                                     "--new", "4", "--repeats", "1"], RATIO, id="decode",
+                 marks=pytest.mark.slow),
     # Without SciWorld there is no 2-worker SciWorld ratio to report: the line says nan.
     pytest.param("env_bench.py", ["--envs", "babyai,textcraft", "--num-envs", "4",
                                   "--workers", "1,2"], r"ratio: nan", id="env"),
@@ -40,7 +41,8 @@ CASES = [
     pytest.param("sciworld_step.py", [], RATIO, id="sciworld-step", marks=pytest.mark.slow),
     pytest.param("memory_bench.py", ["--config", "experiments/keypad/learn.py:runlocal",
                                      "--lengths", "64,128", "--time_lengths", "64",
-                                     "--repeats", "1"], RATIO, id="memory"),
+                                     "--choices", "blockwise/scan/remat,blockwise/unroll/remat",
+                                     "--heads", "agent", "--repeats", "1"], RATIO, id="memory"),
     pytest.param("run_memory_bench.py", [], r"peak RSS: \d+ MiB", id="run-memory",
                  marks=pytest.mark.slow),
     # Four short training runs (a warm-up and a timed run of each mode).

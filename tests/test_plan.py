@@ -166,6 +166,7 @@ WARM = ["--config=experiments/keypad/learn.py:runlocal,algo=ppo",
 _CACHE_HIT = re.compile(r"Persistent compilation cache hit for '\S+' with key '(\S+)'")
 
 
+@pytest.mark.slow  # a plan and a training run in processes of their own (~30 s)
 def test_a_run_started_from_the_plans_cache_compiles_none_of_the_planned_programs(tmp_path):
   cache, workdir = tmp_path / "cache", tmp_path / "run"
   planned = _plan("--topology=cpu", *WARM, f"--config.compile.cache_dir={cache}",

@@ -208,6 +208,7 @@ def train(workdir, cache, *overrides):
   return run_cli("agentgym_jax.train", [f"--workdir={workdir}", *ON_SUCCESS, *overrides], cache)
 
 
+@pytest.mark.slow  # two trainer processes (~30 s); the schedule's rules are tested above
 def test_the_trainer_keeps_an_evidence_phase_across_a_resume(tmp_path, compile_cache):
   workdir = tmp_path / "run"
   for total in (1, 3):  # one step, then resumed from its checkpoint for two more

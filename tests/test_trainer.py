@@ -159,8 +159,10 @@ def test_resume_is_exact_across_a_scaling_inter_phase(smoke, compile_cache, tmp_
     assert f_a.read() == f_b.read()  # identical final parameters, bit for bit
 
 
-@pytest.mark.parametrize("algo,agg", [("gigpo", "seq-mean-token-sum-norm"),
-                                      ("turn_ppo", "seq-mean-token-sum")])
+@pytest.mark.parametrize("algo,agg", [
+    ("gigpo", "seq-mean-token-sum-norm"),
+    # The critic's turn-level path; gigpo's run covers the resume and the phase change.
+    pytest.param("turn_ppo", "seq-mean-token-sum", marks=pytest.mark.slow)])
 def test_turn_level_estimators_train_resume_and_cross_a_scaling_inter_phase(
     algo, agg, compile_cache, tmp_path):
   """gigpo and turn_gae through the trainer: 1 step, resume for 2 more across the phase change
