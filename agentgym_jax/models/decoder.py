@@ -254,6 +254,8 @@ def remat_after_cotangent(layer):
 
     def backward(saved, cotangent):
       p, x, consts = saved
+      # The parameters too, not the input alone: with x alone an 8,192-token row of SmolLM2's
+      # update measured 3.51 GiB of temporaries instead of 2.78.
       p, x = _after(cotangent, (p, x))
       grads = jax.vjp(lambda p, x: run(p, x, *consts), p, x)[1](cotangent)
       # The input's gradient waits for the parameters' too: the previous block's backward
