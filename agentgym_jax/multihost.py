@@ -35,6 +35,12 @@ Start-up: `maybe_initialize_distributed`, called before anything touches a devic
 multi-controller runtime when the environment describes several hosts; from then on a lost
 process stops the others within `heartbeat_timeout_s()` seconds.
 
+Threads: a program that spans processes must be called by every process in the same order,
+so only the main thread calls them. Another thread that gathers objects (the asynchronous
+rollout's, train/asynchronous.py: its episodes, rolled out on its own devices of every process)
+does it inside `gathers_through(KeyValueChannel(...))`: through the coordination service's
+key-value store, a host path that never meets the main thread's collectives on a device.
+
 Files are written once, by process 0, with `process_zero_first` or a `barrier` where the
 others read what it wrote; the workdir must be a filesystem every host sees.
 
@@ -46,6 +52,7 @@ spreads the scheduler's notice).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -268,13 +275,81 @@ def split_rows(num_rows: int) -> np.ndarray | None:
   return np.array_split(np.arange(num_rows), jax.process_count())[jax.process_index()]
 
 
+class GatherCancelled(RuntimeError):
+  """A gather through a `KeyValueChannel` stopped waiting: its thread is being closed."""
+
+
+# Channels made so far in this process, by label: every process makes the same ones in the same
+# order, so a channel's number names the same channel on all of them.
+_CHANNELS: dict[str, int] = {}
+_THREAD = threading.local()
+# How long a channel's wait blocks before it looks at its stop event (milliseconds).
+_CHANNEL_POLL_MS = 500
+
+
+class KeyValueChannel:
+  """`allgather_objects` for one thread other than the main one, through the coordination
+  service's key-value store (the multi-controller runtime's, on process 0's host).
+
+  Made on the main thread (every process makes the same channels in the same order, which names
+  them alike) and used by one thread (`gathers_through`). Its n-th gather puts this process's
+  pickled object at key `<channel>/<n>/<process>` and reads every process's; the last process
+  to read them deletes them. Every byte goes through the coordinator, one host's gRPC server:
+  fit for a step's episodes, not for parameters.
+
+  `stop`: set, a waiting gather raises `GatherCancelled` (a peer that stopped sampling never
+  puts its part).
+  """
+
+  def __init__(self, label: str, stop: threading.Event):
+    number = _CHANNELS[label] = _CHANNELS.get(label, -1) + 1
+    self.prefix, self.stop, self.calls = f"agentgym/{label}.{number}", stop, 0
+
+  def allgather(self, obj: T) -> list[T]:
+    """Every process's `obj`, in process order; every process's thread must call it."""
+    # pylint: disable-next=import-outside-toplevel,protected-access
+    from jax._src import distributed  # the runtime's client: JAX exposes no public handle
+    client, count = distributed.global_state.client, jax.process_count()
+    key = f"{self.prefix}/{self.calls}"
+    self.calls += 1
+    client.key_value_set_bytes(f"{key}/{jax.process_index()}", pickle.dumps(obj))
+    parts = [pickle.loads(self._wait(client, f"{key}/{p}")) for p in range(count)]
+    if client.key_value_increment(f"{key}/read", 1) == count:
+      for name in [f"{key}/{p}" for p in range(count)] + [f"{key}/read"]:
+        client.key_value_delete(name)
+    return parts
+
+  def _wait(self, client: Any, key: str) -> bytes:
+    while True:
+      try:
+        return client.blocking_key_value_get_bytes(key, _CHANNEL_POLL_MS)
+      except Exception:  # pylint: disable=broad-except  # XlaRuntimeError: deadline exceeded
+        if self.stop.is_set():
+          raise GatherCancelled(f"Stopped waiting for {key}: the thread is closing.") from None
+
+
+@contextlib.contextmanager
+def gathers_through(channel: KeyValueChannel):
+  """Within it, this thread's `allgather_objects` (and so `gather_trajectory`) go through
+  `channel` instead of a device collective."""
+  _THREAD.channel = channel
+  try:
+    yield
+  finally:
+    _THREAD.channel = None
+
+
 def allgather_objects(obj: T) -> list[T]:
   """Every process's `obj`, in process order (a collective: every process must call it).
 
-  Objects travel pickled: the peers are this job's own processes.
+  Objects travel pickled: the peers are this job's own processes. On the main thread a device
+  collective; within `gathers_through` its channel's key-value store.
   """
   if jax.process_count() == 1:
     return [obj]
+  channel = getattr(_THREAD, "channel", None)
+  if channel is not None:
+    return channel.allgather(obj)
   data = np.frombuffer(pickle.dumps(obj), np.uint8)
   sizes = multihost_utils.process_allgather(np.int32(data.size))
   # Padded to a power of two: one compiled gather per size class, not one per step.
