@@ -358,13 +358,23 @@ def _block_scores(q: jax.Array, k: jax.Array, q_pos: jax.Array, kv_valid: jax.Ar
   return scores, mask, kj
 
 
+def _zeros_after(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """float32 zeros of `shape`, made only once x exists.
+
+  A plain `jnp.zeros` is one constant that XLA shares between every layer's loop and copies
+  into each loop's buffer; XLA:CPU schedules those copies at the start of the program, so
+  every layer's accumulators would be live at once. 0 * max(x) is not folded (NaN and inf).
+  """
+  return jnp.zeros(shape, jnp.float32) + 0 * jnp.max(x).astype(jnp.float32)
+
+
 def _flash_forward(q, k, v, q_pos, kv_valid, block_k):
   """Output [nq, B, K, R, Dh] float32 and log-sum-exp [nq, B, K, R] of query blocks q
   [nq, B, K, R, Dh] (`flash_attention`'s layout); a row that sees no key gets 0 and a
   log-sum-exp of +1e30, so that its recomputed probabilities are 0."""
 
-  def query_block(args):
-    qi, pos = args
+  def query_block(i, outputs):
+    qi, pos = q[i], q_pos[i]
     rows = qi.shape[:3]
 
     def key_block(j, carry):
@@ -384,9 +394,13 @@ def _flash_forward(q, k, v, q_pos, kv_valid, block_k):
                                          init)
     seen = total > 0
     out = acc / jnp.where(seen, total, 1.0)[..., None]
-    return out, jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1.0)), -_NEG_INF)
+    lse = jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1.0)), -_NEG_INF)
+    return outputs[0].at[i].set(out), outputs[1].at[i].set(lse)
 
-  return jax.lax.map(query_block, (q, q_pos))
+  # The outputs are buffers of the loop (not a `lax.map`'s stacked outputs, whose zeros XLA
+  # shares between layers: `_zeros_after`).
+  outputs = (_zeros_after(q, q.shape[:-1] + v.shape[-1:]), _zeros_after(q, q.shape[:-1]))
+  return jax.lax.fori_loop(0, q.shape[0], query_block, outputs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -407,9 +421,9 @@ def _flash_bwd(block_k, residuals, d_out):
   d_out = d_out.astype(jnp.float32)
   delta = jnp.sum(d_out * out, axis=-1)  # [nq, B, K, R]: rowsum(dO * O)
 
-  def query_block(carry, args):
-    dk, dv = carry
-    qi, pos, do, lse_i, delta_i = args
+  def query_block(i, carry):
+    dq_all, dk, dv = carry
+    qi, pos, do, lse_i, delta_i = q[i], q_pos[i], d_out[i], lse[i], delta[i]
 
     def key_block(j, carry):
       dq, dk, dv = carry
@@ -428,10 +442,10 @@ def _flash_bwd(block_k, residuals, d_out):
 
     dq, dk, dv = jax.lax.fori_loop(0, _key_blocks(pos, kv_valid, block_k), key_block,
                                    (jnp.zeros(qi.shape, jnp.float32), dk, dv))
-    return (dk, dv), dq
+    return dq_all.at[i].set(dq), dk, dv
 
-  zeros = jnp.zeros(k.shape, jnp.float32)
-  (dk, dv), dq = jax.lax.scan(query_block, (zeros, zeros), (q, q_pos, d_out, lse, delta))
+  dq, dk, dv = jax.lax.fori_loop(0, q.shape[0], query_block, (
+      _zeros_after(d_out, q.shape), _zeros_after(d_out, k.shape), _zeros_after(d_out, k.shape)))
   return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 

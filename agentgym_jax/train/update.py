@@ -377,11 +377,16 @@ def _apply_if_finite(tx: optax.GradientTransformation, params: Params, opt_state
   """
   grad_norm = optax.global_norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  updates, new_opt_state = tx.update(grads, opt_state, params)
-  new_params = optax.apply_updates(params, updates)
-  keep = lambda new, old: jnp.where(finite, new, old)
-  return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt_state, opt_state),
-          grad_norm, 1.0 - finite.astype(jnp.float32))
+
+  def step(params, opt_state, grads):
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  # A cond, not a select of the new state or the old: the select reads the old state after
+  # the new one exists, so XLA copies both moments before the step (0.5 GiB for SmolLM2-135M).
+  params, opt_state = jax.lax.cond(finite, step, lambda params, opt_state, _: (params, opt_state),
+                                   params, opt_state, grads)
+  return params, opt_state, grad_norm, 1.0 - finite.astype(jnp.float32)
 
 
 def logprob_gap(logprobs: jax.Array, rollout_logprobs: jax.Array, mask: jax.Array
