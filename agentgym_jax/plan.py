@@ -310,23 +310,25 @@ def _compile(name: str, lower: Callable[[], Any], resident: int = 0) -> Program:
 def rollout_programs(run: Run, host_devices: list[Any], hosts: int,
                      compile_program: Callable[..., None]) -> None:
   """rollout_extend and rollout_decode for one host, passed to `compile_program(name, lower,
-  resident)`: its share of the rows, the params gathered onto its chips as the rollout holds
-  them, the KV cache at the context limit."""
+  resident)`: its share of the rows, the params on its chips as the rollout holds them (its
+  rollout mesh, `state.rollout_layout`), the KV cache at the context limit."""
   config, cfg = run.config, run.cfg
-  local = host_mesh(run.mesh, host_devices)
+  # The rollout's copy of the policy, in the compute dtype, laid out on the host's rollout
+  # mesh (`batches.rollout_params`).
+  compute = jnp.dtype(run.update_cfg.compute_dtype)
+  cast = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), run.state.policy)
+  local, shardings = state_lib.rollout_layout(run.policy_def, cast,
+                                              host_mesh(run.mesh, host_devices))
+  params = _abstract(cast, shardings)
   shards = sharding_lib.data_parallel_size(local)
   rows = -(-run.rows // hosts // shards) * shards
   slots = -(-config.rollout.max_context // 128) * 128  # as run_episodes' limit
   width = min(bucket_length(512, 16), bucket_length(config.rollout.max_context, 16))
-  # The rollout's copy of the policy, in the compute dtype (train/loop.py).
-  compute = jnp.dtype(run.update_cfg.compute_dtype)
-  params = jax.tree.map(
-      lambda x, s: jax.ShapeDtypeStruct(x.shape, compute, sharding=NamedSharding(local, s.spec)),
-      run.state.policy, run.shardings.policy)
   cfg = dataclasses.replace(cfg, param_dtype=compute.name)  # the cache follows the weights
-  # On one host in float32 the rollout reads the train state's own params; otherwise a copy
-  # (gathered, cast), while the whole state stays in HBM.
-  own = hosts == 1 and compute == jnp.float32
+  # On one host in float32 on the train mesh's own layout the rollout reads the train state's
+  # own params; otherwise a copy (gathered, cast or resharded), while the whole state stays
+  # in HBM.
+  own = hosts == 1 and compute == jnp.float32 and local.shape == run.mesh.shape
   resident = per_chip_bytes(run.state) - (per_chip_bytes(run.state.policy) if own else 0)
   # The rows' arrays sharded as the rollout puts them (`shard_batch`), so that the programs
   # are the ones it compiles.

@@ -77,6 +77,39 @@ def make_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | N
   return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
+def rollout_mesh(mesh: Mesh | None, kv_heads: int) -> Mesh | None:
+  """Where a process rolls out: its devices of the train mesh (`mesh`, its
+  `multihost.ProcessShare.mesh`) with the chips that share FSDP shards put on `tensor`.
+
+  Rolled out on an FSDP mesh, every decoded token needs whole weights, and XLA gathers them
+  once, outside the decode loop: a whole copy of the policy per chip (docs/tpu.md). On
+  `tensor` each chip keeps its share of every block's heads and MLP units and of the
+  vocabulary, activations are whole per row (`embed` is on `fsdp`, size 1 here), and a
+  token's forward exchanges activations, never weights. `tensor` takes as many of the
+  `fsdp` x `tensor` chips as divide `kv_heads` (a kv group, its queries and its cache rows
+  stay on one chip), `data` the rest. A mesh without FSDP (fsdp 1) is returned as it is.
+
+  The devices keep their order (a reshape of the grid), so `tensor` groups are neighbours.
+  """
+  if mesh is None or mesh.shape.get("fsdp", 1) == 1:
+    return mesh
+  tensor = math.gcd(mesh.shape["fsdp"] * mesh.shape.get("tensor", 1), kv_heads)
+  sizes = {"data": mesh.size // tensor, "fsdp": 1, "tensor": tensor}
+  ours = [mesh.axis_names.index(a) for a in MESH_AXES if a in mesh.axis_names]
+  grid = np.moveaxis(mesh.devices, ours, range(len(ours)))
+  return Mesh(grid.reshape([sizes[a] for a in MESH_AXES]), MESH_AXES,
+              axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_of(tree: Any) -> Mesh | None:
+  """The mesh the arrays of `tree` are laid out on (that of its first leaf with a
+  NamedSharding), or None when none has one."""
+  for x in jax.tree.leaves(tree):
+    if isinstance(getattr(x, "sharding", None), NamedSharding):
+      return x.sharding.mesh
+  return None
+
+
 def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None = None,
                     mesh: Mesh | None = None, rules: dict[str, Any] | None = None) -> P:
   """PartitionSpec for an array whose axes carry logical `names`.

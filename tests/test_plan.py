@@ -271,3 +271,22 @@ def test_the_7b_searchqa_scaling_inter_config_fits_a_v4_32():
   fits = [l.split()[-1] for l in result.stdout.splitlines() if l.split()[:1] and
           l.split()[0] in plan.PROGRAMS]
   assert fits == ["yes"] * 4, result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("libtpu")
+@pytest.mark.parametrize("topology, arg", [
+    # The rollout on each host's 4 chips as tensor=4 (sharding.rollout_mesh): on the train
+    # mesh's FSDP it needed 18.15 GiB of a v5e chip's 15.75 in rollout_decode.
+    ("v5e-64", "schedule=fixed,model=7b,slice=v5e-64"),
+    # LoRA: a bf16 base and float32 adapters; full fine-tuning does not fit a v5e-16.
+    ("v5e-16", "schedule=fixed,model=7b,lora=16"),
+])
+def test_the_7b_babyai_fixed_config_fits_a_v5e_slice(topology, arg):
+  # Qwen2.5-7B, 5,120-token rows: 2-8 minutes, up to 12 GB.
+  result = _plan(f"--topology={topology}",
+                 f"--config=experiments/agentgym_rl/babyai.py:{arg}", timeout=1800)
+  assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+  fits = [l.split()[-1] for l in result.stdout.splitlines() if l.split()[:1] and
+          l.split()[0] in plan.PROGRAMS]
+  assert fits == ["yes"] * 4, result.stdout

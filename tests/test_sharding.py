@@ -1,6 +1,8 @@
 """Meshes, logical-axis rules and sharded models on the 8 fake CPU devices from conftest, and
 meshes on TPU slices' devices from libtpu (tests/tpu_slices.py)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from agentgym_jax import sharding
 from agentgym_jax.models import Decoder, KVCache, ModelConfig, load_hf, save_hf
+from agentgym_jax.train import state as state_lib
 
 CFG = ModelConfig(vocab_size=128, hidden_size=48, intermediate_size=64, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=12, qkv_bias=True,
@@ -154,3 +157,49 @@ def test_load_hf_onto_mesh(reference, tmp_path):
   assert params[("lm_head",)].sharding == NamedSharding(mesh, P("fsdp", None))
   logits = nnx.jit(lambda m: m(tokens, valid))(loaded)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5)
+
+
+def test_the_rollout_mesh_puts_the_fsdp_chips_on_tensor_as_far_as_kv_heads_divide():
+  mesh = sharding.make_mesh([("data", 2), ("fsdp", 4), ("tensor", 1)])
+  for kv_heads, tensor in ((4, 4), (2, 2), (6, 2), (1, 1)):
+    rollout = sharding.rollout_mesh(mesh, kv_heads)
+    assert dict(rollout.shape) == {"data": 8 // tensor, "fsdp": 1, "tensor": tensor}
+    # The same devices in the same order: a tensor group is neighbours of one fsdp group.
+    assert [d.id for d in rollout.devices.flat] == [d.id for d in mesh.devices.flat]
+  no_fsdp = sharding.make_mesh([("data", 4), ("fsdp", 1), ("tensor", 2)])
+  assert sharding.rollout_mesh(no_fsdp, 2) is no_fsdp
+  assert sharding.rollout_mesh(None, 2) is None
+
+
+def test_a_rollout_on_its_mesh_gathers_no_weights_and_matches_the_unsharded_model(reference):
+  # The trainer's FSDP mesh, and the rollout's copy of the weights (`state.rollout_layout`):
+  # heads, MLP units and vocabulary split over the 4 chips FSDP shards them over, no axis on
+  # `embed`. The FSDP mesh's step gathers weights; the rollout mesh's exchanges activations.
+  model, tokens, valid, expected = reference
+  mesh = sharding.make_mesh([("data", 2), ("fsdp", 4), ("tensor", 1)])
+  graphdef, state = state_lib.split_params(model)
+  rollout, shardings = state_lib.rollout_layout(graphdef, state, mesh)
+  assert dict(rollout.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+  layer = shardings["backbone"]["layers"][0]
+  assert layer["qkv"].spec == P(None, "tensor") and layer["down"].spec == P("tensor", None)
+  assert shardings["backbone"]["embed"].spec == P("tensor", None)
+  num_new = jnp.sum(valid, axis=1, dtype=jnp.int32)
+  step = jax.jit(lambda s, t, n, c: nnx.merge(graphdef, s).extend(t, n, c))
+  weights = {tuple(x.shape) for x in jax.tree.leaves(state) if x.ndim == 2}
+  gathers = {}
+  for name, where, layout in (("fsdp", mesh, sharding.state_shardings(
+      nnx.state(model, nnx.Param), mesh).to_pure_dict()), ("rollout", rollout, shardings)):
+    params = jax.device_put(state, layout)
+    cache = KVCache.init(CFG, batch_size=8, max_len=12)
+    cache = jax.device_put(cache, cache.shardings(where))
+    args = (params, *sharding.shard_batch((tokens, num_new), where), cache)
+    with jax.set_mesh(where):
+      hlo = step.lower(*args).compile().as_text()
+      gathered = {tuple(map(int, dims.split(","))) for dims in
+                  re.findall(r"= \w+\[([\d,]+)\]\S* all-gather\(", hlo)}
+      gathers[name] = sorted(gathered & weights)
+      chunk_logits, cache = step(*args)
+    np.testing.assert_allclose(np.asarray(chunk_logits)[np.asarray(valid)],
+                               np.asarray(expected)[np.asarray(valid)], atol=1e-5)
+  # (The rollout's own gathers are the rows' new keys and values, for the cache's scatter.)
+  assert gathers["fsdp"] and not gathers["rollout"], gathers

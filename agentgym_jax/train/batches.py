@@ -185,8 +185,10 @@ def _sample(inputs: StepInputs, params: Any, task_ids: list[int], max_turns: int
   """This process's rows of a batch rolled out on its devices, gathered on every process."""
   settings = dataclasses.replace(inputs.rollout, max_turns=max_turns)
   mine = inputs.share.rows(inputs.rows)  # this process's rows (None: all of them)
+  # The mesh the weights are on (`rollout_params`' rollout mesh, or the asynchronous
+  # rollout's devices): the rows are sharded there too.
   traj, stats = run_episodes((inputs.policy_def, params), inputs.tok, inputs.pool, task_ids,
-                             settings, rng=key, mesh=inputs.share.mesh, rows=mine,
+                             settings, rng=key, mesh=sharding_lib.mesh_of(params), rows=mine,
                              version=version, weights=weights)
   traj, stats["episodes"] = multihost.gather_trajectory(traj, stats["episodes"], mine,
                                                         inputs.tok.pad_id)
@@ -221,8 +223,12 @@ class Sampled:
 def rollout_params(inputs: StepInputs, policy: Any) -> Any:
   """The weights the rollout samples with: this process's copy of `policy`, in the update's
   compute dtype (a bf16 copy of float32 weights when the run is mixed precision: half the
-  per-host copy and KV cache)."""
-  return inputs.share.local(update_lib.as_compute(policy, inputs.update.compute_dtype))
+  per-host copy and KV cache), laid out on the process's rollout mesh (`state.rollout_layout`:
+  heads and MLP split over the chips FSDP shards them over, so that no decoded token gathers
+  weights)."""
+  local = inputs.share.local(update_lib.as_compute(policy, inputs.update.compute_dtype))
+  mesh, shardings = state_lib.rollout_layout(inputs.policy_def, local, inputs.share.mesh)
+  return local if mesh is inputs.share.mesh else jax.device_put(local, shardings)
 
 
 def sample_step(inputs: StepInputs, params: Any, *, rng: Any, step: int, cursor: int,

@@ -143,6 +143,20 @@ def param_shardings(module: nnx.Module, mesh: Mesh) -> Any:
   return sharding_lib.state_shardings(nnx.state(module, nnx.Param), mesh).to_pure_dict()
 
 
+def rollout_layout(policy_def: nnx.GraphDef, params: Params, mesh: Mesh | None
+                   ) -> tuple[Mesh | None, Any]:
+  """Where a process samples with `params` (the policy's, concrete or abstract) and how they
+  are laid out there: `sharding.rollout_mesh` of its devices `mesh` (tensor-parallel where the
+  train mesh is FSDP) and the parameters' NamedShardings on it, from their logical axis
+  names. The trainer reshards its copy once a step (`batches.rollout_params`); the TPU plan
+  compiles the rollout's programs for the same layout."""
+  if mesh is None:
+    return None, None
+  model = nnx.eval_shape(lambda: nnx.merge(policy_def, params))
+  rollout = sharding_lib.rollout_mesh(mesh, model.cfg.num_kv_heads)
+  return rollout, param_shardings(model, rollout)
+
+
 @dataclasses.dataclass(frozen=True)
 class Optimizers:
   """The policy's and (for gae) the critic's optimizer, with their learning-rate schedules."""
