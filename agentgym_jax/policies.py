@@ -21,6 +21,7 @@ fields as a dict, the policy's parameters under "policy".
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from typing import Any
@@ -34,7 +35,7 @@ from jax.sharding import Mesh
 
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.models import Decoder, ModelConfig, gguf_io, load_gguf, load_hf
-from agentgym_jax.models.decoder import add_adapters, replace_config
+from agentgym_jax.models.decoder import add_adapters, merge_adapters, replace_config
 from agentgym_jax.rollout import envs
 from agentgym_jax.tokenization import ChatTokenizer
 
@@ -171,16 +172,64 @@ class InitFromError(ValueError):
 def _load_init_from(model: Decoder, workdir: str) -> None:
   """Replaces `model`'s weights with the policy of `workdir`'s newest checkpoint, in place.
 
+  The policy of a LoRA run (its frozen base and adapters) comes merged, W + (alpha / r) A B
+  (`decoder.merge_adapters`, with that run's rank and alpha: `_saved_lora`), so a run started
+  from it, with adapters of its own or fully fine-tuned, starts from the function the LoRA run
+  trained, in `model`'s dtype (a bfloat16 base rounds the merged weights to bfloat16).
+
   Raises:
-    InitFromError: no checkpoint there, or one of another model shape (both shapes named).
+    InitFromError: no checkpoint there, or one of another model shape (both shapes named), or
+      a LoRA run's without the config that names its alpha.
   """
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                        nnx.state(model, nnx.Param).to_pure_dict())
   try:
+    lora = _saved_lora(workdir)
+    if lora is not None:
+      add_adapters(model, *lora, seed=0, mesh=sharding_lib.mesh_of(nnx.state(model)))
+    target = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+        nnx.state(model, nnx.Param).to_pure_dict())
     params, _ = restore_policy(workdir, target)
   except (FileNotFoundError, ValueError) as exc:
     raise InitFromError(f"init_from={workdir!r}: {exc}.") from exc
   nnx.update(model, params)
+  merge_adapters(model)
+
+
+# Where a training run saves its config, one file per config it ran with (train/provenance.py).
+RUN_CONFIGS_DIR = "configs"
+
+
+def _saved_lora(workdir: str) -> tuple[int, float] | None:
+  """(rank, alpha) of the LoRA adapters in `workdir`'s newest checkpoint, None without any:
+  the rank from the adapters' shapes, alpha from the `model.lora_alpha` of the configs the run
+  saved (RUN_CONFIGS_DIR), which the checkpoint does not hold.
+
+  Raises:
+    FileNotFoundError: no checkpoint in `workdir`.
+    ValueError: adapters, but no saved config, or configs that disagree on alpha.
+  """
+  directory = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"{workdir} holds no checkpoint folder {directory}; point at the "
+                            "workdir of a training run.")
+  steps = [int(name) for name in os.listdir(directory) if name.isdigit()]
+  if not steps:
+    raise FileNotFoundError(f"{workdir} holds no checkpoint in {directory}; point at the "
+                            "workdir of a run that saved one.")
+  ranks = {shape[-1] for name, shape in _saved_policy_shapes(directory, max(steps)).items()
+           if name.endswith("/lora_a")}
+  if not ranks:
+    return None
+  configs = os.path.join(workdir, RUN_CONFIGS_DIR)
+  alphas = set()
+  for name in sorted(os.listdir(configs)) if os.path.isdir(configs) else ():
+    with open(os.path.join(configs, name)) as f:
+      alphas.add(float(json.load(f)["model"]["lora_alpha"]))
+  if len(alphas) != 1:
+    raise ValueError(f"its checkpoint holds LoRA adapters, whose scale alpha / r needs one "
+                     f"model.lora_alpha from the run's configs in {configs}, found "
+                     f"{sorted(alphas)}")
+  return ranks.pop(), alphas.pop()
 
 
 def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None

@@ -24,6 +24,7 @@ if str(ROOT) not in sys.path:  # experiment files import `experiments.agentgym_r
 from agentgym_jax import policies, sharding  # pylint: disable=wrong-import-position
 from agentgym_jax.models import Decoder, KVCache, ModelConfig, lora, save_hf  # pylint: disable=wrong-import-position
 from agentgym_jax.models.decoder import add_adapters  # pylint: disable=wrong-import-position
+from agentgym_jax.train import checkpoints, provenance  # pylint: disable=wrong-import-position
 from agentgym_jax.train import config as base  # pylint: disable=wrong-import-position
 from agentgym_jax.train import state as state_lib  # pylint: disable=wrong-import-position
 
@@ -163,9 +164,10 @@ def test_merged_export_loads_in_transformers_with_our_logits(tmp_path):
   assert np.abs(_cached_logits(model, tokens, valid) - ref)[mask].max() < 1e-4
 
 
-def _config(lora_rank=4):
+def _config(lora_rank=4, lora_alpha=16.0):
   c = base.base_config()
   c.model.lora_rank = lora_rank
+  c.model.lora_alpha = lora_alpha
   c.optim.lr = 1e-2
   c.optim.warmup_steps = 0
   return c
@@ -231,6 +233,33 @@ def test_the_reference_is_the_base_model_without_a_copy():
   plain, _, _ = state_lib.create(_config(lora_rank=0), base_model, None, keep_reference=True,
                                  mesh=_mesh())
   assert not plain.reference_is_base and plain.ref is not None
+
+
+def test_a_lora_runs_workdir_as_init_from_starts_from_its_merged_policy(tmp_path):
+  """init_from a LoRA run's workdir: its adapters (rank from their shapes, alpha from the
+  run's saved config) are folded into the base, so a new model, without adapters or with
+  fresh ones of any rank, computes the LoRA run's policy; with no config naming alpha, one
+  line says so."""
+  _, adapted = _with_adapters(rank=4, alpha=8.0)
+  _randomise_b(adapted)
+  _, params = state_lib.split_params(adapted)
+  ckpt = checkpoints.Checkpointer(str(tmp_path / policies.CHECKPOINT_DIR))
+  ckpt.save(3, state_lib.TrainState(step=jnp.int32(3), rng=jnp.zeros((2,), jnp.uint32),
+                                    policy=params, opt_state=None), {"data_cursor": 0})
+  ckpt.close()
+  tokens, valid = _batch()
+  want = np.asarray(adapted(tokens, valid))
+  with pytest.raises(policies.InitFromError, match="lora_alpha"):
+    policies._load_init_from(  # pylint: disable=protected-access
+        sharding.sharded_init(lambda: Decoder(CFG, rngs=nnx.Rngs(5)), _mesh()), str(tmp_path))
+  provenance.save_config(str(tmp_path), _config(lora_rank=4, lora_alpha=8.0))
+  for rank in (0, 2):  # the new run fully fine-tuned, or with adapters of its own
+    model = sharding.sharded_init(lambda: Decoder(CFG, rngs=nnx.Rngs(5)), _mesh())
+    policies._load_init_from(model, str(tmp_path))  # pylint: disable=protected-access
+    assert model.cfg.lora_rank == 0 and not nnx.state(model, nnx.LoRAParam)
+    if rank:  # as build_policy adds them after init_from: B = 0, the same function
+      model = add_adapters(model, rank, 16.0, seed=1, mesh=_mesh())
+    np.testing.assert_allclose(np.asarray(model(tokens, valid)), want, atol=1e-5)
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -421,3 +421,19 @@ def add_adapters(model: Decoder, rank: int, alpha: float, *, seed: int,
     block.lora = sharding.sharded_init(
         lambda block=block, i=i: block.make_adapters(cfg, nnx.Rngs(seed + i)), mesh)
   return replace_config(model, cfg)
+
+
+def merge_adapters(model: Decoder) -> Decoder:
+  """`model` with every block's LoRA adapters folded into its kernels, W + (alpha / r) A B in
+  W's dtype and sharding, and then removed: the adapted function as a plain model, in place
+  (a LoRA run's policy as another run's start, `policies` init_from)."""
+  if not model.cfg.lora_rank:
+    return model
+  for block in model.backbone.layers:
+    for name in PROJECTIONS:
+      kernel = getattr(block, name)
+      merged = lora_lib.merged_kernel(kernel[...], getattr(block.lora, name),
+                                      model.cfg.lora_scale)
+      kernel[...] = jax.device_put(merged, kernel[...].sharding)
+    block.lora = None
+  return replace_config(model, dataclasses.replace(model.cfg, lora_rank=0))
