@@ -1,6 +1,6 @@
-"""Pieces the command lines share: defining and reading the --config flag, checking its
-environment, the compilation cache, one-line fatal errors, INFO logging to a file instead of
-the terminal.
+"""Pieces the command lines share: defining and reading the --config flag, the compilation
+cache, one-line fatal errors, INFO logging to a file instead of the terminal. (What the config
+means, and its one-line checks, are agentgym_jax/settings.py's.)
 
 A mistake on the command line (a wrong path, a name that does not exist) ends the program
 with one line that says what was wrong and what to do, and with nothing written: a
@@ -21,8 +21,6 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from agentgym_jax import caches
-from agentgym_jax.rl import algorithm
-from agentgym_jax.rollout import envs
 
 EXAMPLE_CONFIG = "experiments/keypad/learn.py:runlocal"
 
@@ -107,29 +105,9 @@ def _no_config_file(name: str, path: str) -> NoReturn:
         f"file, e.g. --{name}={EXAMPLE_CONFIG}")
 
 
-def check_env(config: ml_collections.ConfigDict) -> None:
-  """Exits with one line when `config.env` names no environment this install has (or a
-  remote one that names no served environment): `envs.check`'s error."""
-  try:
-    envs.check(config)
-  except ValueError as e:
-    fatal(f"config.env: {e}")
-
-
-def check_algorithm(config: ml_collections.ConfigDict) -> None:
-  """Exits with one line when `config.algo` is no valid algorithm (`AlgorithmSpec.from_config`'s
-  error: an unknown estimator, an estimator option it does not take, ...), which the trainer
-  would otherwise raise with a traceback once the run is set up."""
-  try:
-    algorithm.AlgorithmSpec.from_config(config)
-  except ValueError as e:
-    fatal(str(e))
-
-
-def use_compilation_cache(config: ml_collections.ConfigDict) -> None:
-  """Turns on JAX's persistent compilation cache in `config.compile.cache_dir` ("" = off),
-  before anything compiles; exits with one line if the directory cannot be created."""
-  directory = config.compile.cache_dir
+def use_compilation_cache(directory: str) -> None:
+  """Turns on JAX's persistent compilation cache in `directory` (`config.compile.cache_dir`;
+  "" = off), before anything compiles; exits with one line if it cannot be created."""
   try:
     caches.use_compilation_cache(directory)
   except OSError as e:

@@ -66,12 +66,12 @@ from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.rollout.envs import EnvSettings
 from agentgym_jax.rollout.trajectory import Episode, Trajectory, build_trajectory
 
 T = TypeVar("T")
@@ -447,8 +447,8 @@ def check_replicas_agree(share: ProcessShare, params: Any, what: str) -> None:
                int(np.bitwise_xor.reduce(mine)))
 
 
-def process_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """`config` as this process uses it: with `env.urls`, its own env service as env.kwargs.url.
+def process_env(env: EnvSettings) -> EnvSettings:
+  """`env` as this process uses it: with `env.urls`, its own env service as kwargs["url"].
 
   Process i talks to env.urls[i % len(env.urls)], so each host can have its own replica of
   the env service (`launch/env_server.sh`).
@@ -456,16 +456,13 @@ def process_config(config: ml_collections.ConfigDict) -> ml_collections.ConfigDi
   Raises:
     ValueError: env.urls is set for an environment other than "remote".
   """
-  urls = tuple(config.env.urls)
-  if not urls:
-    return config
-  if config.env.name != "remote":
-    raise ValueError(f"env.urls is set but env.name is {config.env.name!r}; env service URLs "
+  if not env.urls:
+    return env
+  if env.name != "remote":
+    raise ValueError(f"env.urls is set but env.name is {env.name!r}; env service URLs "
                      "are for env.name='remote' (with env.kwargs.env_name).")
-  config = config.copy_and_resolve_references()
-  with config.unlocked():
-    config.env.kwargs.url = urls[jax.process_index() % len(urls)]
-  return config
+  url = env.urls[jax.process_index() % len(env.urls)]
+  return dataclasses.replace(env, kwargs={**env.kwargs, "url": url})
 
 
 # "1": start JAX's multi-controller runtime and let JAX detect the cluster (a Cloud TPU slice).

@@ -77,6 +77,7 @@ from agentgym_jax.models import published
 from agentgym_jax.models.decoder import resolve_layer_loop
 from agentgym_jax.models.value import ValueModel
 from agentgym_jax.rl.algorithm import AlgorithmSpec
+from agentgym_jax import settings as settings_lib
 from agentgym_jax.rollout import sampler
 from agentgym_jax.rollout.trajectory import bucket_length
 from agentgym_jax.tokenization import ChatTokenizer
@@ -104,7 +105,8 @@ def run_tokenizer(config: ml_collections.ConfigDict) -> ChatTokenizer:
       path):
     published.hf_config(path)  # raises, naming the published models
     return ChatTokenizer.qwen2_5()
-  return policies.load_tokenizer(config, workdir=None)
+  return policies.load_tokenizer(settings_lib.policy(config), settings_lib.env(config),
+                                 workdir=None)
 
 
 def model_config(config: ml_collections.ConfigDict, tok: ChatTokenizer,
@@ -122,10 +124,10 @@ def model_config(config: ml_collections.ConfigDict, tok: ChatTokenizer,
   path = config.model.path
   if config.model.source == "hf" and not os.path.isdir(path):
     cfg = ModelConfig.from_hf_config(published.hf_config(path), param_dtype=config.model.dtype,
-                                     **policies.run_settings(config),
-                                     **policies.lora_settings(config))
+                                     **policies.run_settings(settings_lib.policy(config)),
+                                     **policies.lora_settings(settings_lib.policy(config)))
   else:
-    cfg = policies.policy_config(config, tok)
+    cfg = policies.policy_config(settings_lib.policy(config), tok)
   return dataclasses.replace(cfg, **settings)
 
 
@@ -483,7 +485,8 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = cli.config_from_flag()
-  cli.use_compilation_cache(config)  # before anything compiles: the programs go there
+  # Before anything compiles: the programs go there.
+  cli.use_compilation_cache(config.compile.cache_dir)
   try:
     target = targets.parse(flags.FLAGS.topology, flags.FLAGS.memory_gib)
     target.devices(one_host=True)

@@ -1,5 +1,6 @@
-"""Where a policy and its tokenizer come from: `config.model`, `config.tokenizer` and the
-checkpoints of a training run.
+"""Where a policy and its tokenizer come from: `PolicySettings` (`config.model`,
+`config.tokenizer`, `init_from` and the seed, typed once by agentgym_jax/settings.py:policy)
+and the checkpoints of a training run.
 
 Model sources: "random" (fresh weights of `model.arch`, created sharded), "hf" (an HF
 checkpoint directory, loaded straight onto the mesh) and "smollm2" (SmolLM2-135M-Instruct from
@@ -24,11 +25,11 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
@@ -45,18 +46,51 @@ TOKENIZER_DIR = "tokenizer"
 CHECKPOINT_DIR = "checkpoints"
 
 
-def load_tokenizer(config: ml_collections.ConfigDict, workdir: str | None) -> ChatTokenizer:
-  """The run's tokenizer; a "bpe:" one is trained on first use and then read from the workdir.
+@dataclasses.dataclass(frozen=True)
+class PolicySettings:
+  """Where a run's policy and tokenizer come from (train/config.py's base_config says what
+  each field means).
+
+  Attributes:
+    source, path, arch, dtype: `config.model`'s source of the weights ("random" | "hf" |
+      "smollm2"), its HF directory, the random model's ModelConfig fields (vocab_size 0: the
+      tokenizer's) and the loaded parameters' dtype.
+    remat, attention, layer_loop: the ModelConfig fields the run chooses, not the checkpoint.
+    lora_rank, lora_alpha: the LoRA adapters (rank 0: none).
+    tokenizer, bpe_tasks: `config.tokenizer`'s spec and the tasks a "bpe:" one trains on.
+    init_from: an earlier run's workdir whose policy and tokenizer start this one ("": none).
+    seed: the run's seed (a random model's initialisation, the adapters' at seed + 1).
+  """
+
+  source: str = "random"
+  path: str = ""
+  arch: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  dtype: str = "float32"
+  remat: bool = False
+  attention: str = "auto"
+  layer_loop: str = "auto"
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  tokenizer: str = "model"
+  bpe_tasks: int = 64
+  init_from: str = ""
+  seed: int = 0
+
+
+def load_tokenizer(policy: PolicySettings, env: envs.EnvSettings, workdir: str | None
+                   ) -> ChatTokenizer:
+  """The run's tokenizer; a "bpe:" one is trained on first use (on the expert's play of the
+  first `policy.bpe_tasks` training-split tasks of `env`) and then read from the workdir.
 
   Raises:
     ValueError: an unknown spec, or "model" with a source that ships no tokenizer.
   """
-  spec = config.tokenizer.spec
+  spec = policy.tokenizer
   cached = os.path.join(workdir, TOKENIZER_DIR) if workdir else None
   if spec.startswith("bpe:"):
     if cached and os.path.exists(os.path.join(cached, "tokenizer.json")):
       return ChatTokenizer.from_pretrained(cached)
-    inherited = os.path.join(config.init_from, TOKENIZER_DIR) if config.init_from else None
+    inherited = os.path.join(policy.init_from, TOKENIZER_DIR) if policy.init_from else None
     if inherited and os.path.exists(os.path.join(inherited, "tokenizer.json")):
       # A warm start keeps the token ids its weights were trained on.
       tok = ChatTokenizer.from_pretrained(inherited)
@@ -64,25 +98,25 @@ def load_tokenizer(config: ml_collections.ConfigDict, workdir: str | None) -> Ch
         tok.save_pretrained(cached)
       return tok
     vocab = int(spec.split(":", 1)[1])
-    split = envs.task_splits(config)[config.data.split]
-    texts = envs.expert_texts(config, list(split[:config.tokenizer.bpe_tasks]))
+    split = envs.task_splits(env)[env.train_split]
+    texts = envs.expert_texts(env, list(split[:policy.bpe_tasks]))
     tok = ChatTokenizer.train_bpe(texts, vocab_size=vocab)
     if cached:
       tok.save_pretrained(cached)
       logging.info("Trained a %d-token BPE tokenizer on %s texts; saved to %s.", tok.vocab_size,
-                   config.env.name, cached)
+                   env.name, cached)
     return tok
   if spec == "qwen2.5":
     return ChatTokenizer.qwen2_5()
   if spec == "smollm2":
     return ChatTokenizer.smollm2()
   if spec == "model":
-    if config.model.source == "hf":
-      return ChatTokenizer.from_pretrained(config.model.path)
-    if config.model.source == "smollm2":
+    if policy.source == "hf":
+      return ChatTokenizer.from_pretrained(policy.path)
+    if policy.source == "smollm2":
       return ChatTokenizer.smollm2()
     raise ValueError("tokenizer.spec='model' needs a model that ships a tokenizer (source 'hf' "
-                     f"or 'smollm2'); source {config.model.source!r} does not. Use e.g. "
+                     f"or 'smollm2'); source {policy.source!r} does not. Use e.g. "
                      "tokenizer.spec='bpe:512' or 'qwen2.5'.")
   if os.path.isdir(spec):
     return ChatTokenizer.from_pretrained(spec)
@@ -90,10 +124,9 @@ def load_tokenizer(config: ml_collections.ConfigDict, workdir: str | None) -> Ch
                    "'smollm2' or an existing tokenizer directory.")
 
 
-def run_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def run_settings(policy: PolicySettings) -> dict[str, Any]:
   """The ModelConfig fields the run chooses, not the checkpoint: remat, attention, layer loop."""
-  return dict(remat=config.model.remat, attention=config.model.attention,
-              layer_loop=config.model.layer_loop)
+  return dict(remat=policy.remat, attention=policy.attention, layer_loop=policy.layer_loop)
 
 
 def _with_settings(model: Decoder, settings: dict[str, Any]) -> Decoder:
@@ -102,67 +135,67 @@ def _with_settings(model: Decoder, settings: dict[str, Any]) -> Decoder:
   return model if cfg == model.cfg else replace_config(model, cfg)
 
 
-def policy_config(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> ModelConfig:
+def policy_config(policy: PolicySettings, tok: ChatTokenizer) -> ModelConfig:
   """The policy's ModelConfig, read without loading any weights: the base model's
-  (`_base_config`) with the run's LoRA adapters, if any (`model.lora_rank`)."""
-  return dataclasses.replace(_base_config(config, tok), **lora_settings(config))
+  (`_base_config`) with the run's LoRA adapters, if any (`policy.lora_rank`)."""
+  return dataclasses.replace(_base_config(policy, tok), **lora_settings(policy))
 
 
-def lora_settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+def lora_settings(policy: PolicySettings) -> dict[str, Any]:
   """The ModelConfig fields of the run's LoRA adapters (rank 0: none)."""
-  return dict(lora_rank=config.model.lora_rank, lora_alpha=config.model.lora_alpha)
+  return dict(lora_rank=policy.lora_rank, lora_alpha=policy.lora_alpha)
 
 
-def _base_config(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> ModelConfig:
+def _base_config(policy: PolicySettings, tok: ChatTokenizer) -> ModelConfig:
   """The ModelConfig of the policy's source, without adapters."""
-  if config.model.source == "random":
-    arch = dict(config.model.arch)
+  if policy.source == "random":
+    arch = dict(policy.arch)
     arch["vocab_size"] = arch["vocab_size"] or tok.vocab_size
-    arch.update(run_settings(config), eos_token_id=tok.end_of_turn_ids[0],
+    arch.update(run_settings(policy), eos_token_id=tok.end_of_turn_ids[0],
                 pad_token_id=tok.pad_id)
     return ModelConfig(**arch)
-  if config.model.source == "hf":
-    return ModelConfig.from_hf_config(config.model.path, param_dtype=config.model.dtype,
-                                      **run_settings(config))
-  if config.model.source == "smollm2":
+  if policy.source == "hf":
+    return ModelConfig.from_hf_config(policy.path, param_dtype=policy.dtype,
+                                      **run_settings(policy))
+  if policy.source == "smollm2":
     from gguf import GGUFReader  # pylint: disable=import-outside-toplevel
-    cfg = gguf_io.gguf_config(GGUFReader(gguf_io.smollm2_gguf_path()), config.model.dtype)
-    return dataclasses.replace(cfg, **run_settings(config))
+    cfg = gguf_io.gguf_config(GGUFReader(gguf_io.smollm2_gguf_path()), policy.dtype)
+    return dataclasses.replace(cfg, **run_settings(policy))
   raise ValueError(f"model.source must be 'random', 'hf' or 'smollm2', got "
-                   f"{config.model.source!r}.")
+                   f"{policy.source!r}.")
 
 
-def build_policy(config: ml_collections.ConfigDict, tok: ChatTokenizer, mesh: Mesh) -> Decoder:
-  """The initial policy on `mesh`, per `config.model`.
+def build_policy(policy: PolicySettings, tok: ChatTokenizer, mesh: Mesh) -> Decoder:
+  """The initial policy on `mesh`, per `policy`.
 
   Raises:
     ValueError: unknown source; a random arch whose vocabulary is smaller than the
       tokenizer's; a model whose vocabulary cannot hold the tokenizer's ids.
     InitFromError: `init_from` names no checkpoint, or one of another model.
   """
-  source = config.model.source
+  source = policy.source
   if source == "random":
-    cfg = _base_config(config, tok)
-    model = sharding_lib.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(config.seed)), mesh)
+    cfg = _base_config(policy, tok)
+    model = sharding_lib.sharded_init(lambda: Decoder(cfg, rngs=nnx.Rngs(policy.seed)), mesh)
   elif source == "hf":
-    if not os.path.isdir(config.model.path):
-      raise ValueError(f"model.path {config.model.path!r} is not a directory; model.source='hf' "
+    if not os.path.isdir(policy.path):
+      raise ValueError(f"model.path {policy.path!r} is not a directory; model.source='hf' "
                        "needs an HF checkpoint directory (config.json + *.safetensors).")
-    _, model = load_hf(config.model.path, mesh=mesh, dtype=jnp.dtype(config.model.dtype))
+    _, model = load_hf(policy.path, mesh=mesh, dtype=jnp.dtype(policy.dtype))
   elif source == "smollm2":
-    _, model, _ = load_gguf(mesh=mesh, dtype=jnp.dtype(config.model.dtype))
+    _, model, _ = load_gguf(mesh=mesh, dtype=jnp.dtype(policy.dtype))
   else:
     raise ValueError(f"model.source must be 'random', 'hf' or 'smollm2', got {source!r}.")
   if model.cfg.vocab_size < tok.vocab_size:
     raise ValueError(f"The model's vocabulary ({model.cfg.vocab_size}) is smaller than the "
                      f"tokenizer's ({tok.vocab_size}); pick a matching tokenizer.spec.")
-  if config.init_from:
-    _load_init_from(model, config.init_from)
-  if config.model.lora_rank:
+  if policy.init_from:
+    _load_init_from(model, policy.init_from)
+  if policy.lora_rank:
     # After init_from: a warm start's checkpoint (behaviour cloning) is of the base model.
-    model = add_adapters(model, config.model.lora_rank, config.model.lora_alpha,
-                         seed=config.seed + 1, mesh=mesh)
-  return _with_settings(model, run_settings(config))
+    model = add_adapters(model, policy.lora_rank, policy.lora_alpha, seed=policy.seed + 1,
+                         mesh=mesh)
+  return _with_settings(model, run_settings(policy))
 
 
 class InitFromError(ValueError):
@@ -232,20 +265,22 @@ def _saved_lora(workdir: str) -> tuple[int, float] | None:
   return ranks.pop(), alphas.pop()
 
 
-def load_policy(config: ml_collections.ConfigDict, workdir: str, step: int | None = None
-                ) -> tuple[nnx.GraphDef, nnx.State, ChatTokenizer, int]:
+def load_policy(policy: PolicySettings, env: envs.EnvSettings, workdir: str, *, mesh: Mesh,
+                step: int | None = None) -> tuple[nnx.GraphDef, nnx.State, ChatTokenizer, int]:
   """The policy of a training checkpoint, for evaluation, replay or export.
 
   Args:
-    config: the run's config (model shape and tokenizer).
+    policy: the run's policy settings (model shape and tokenizer).
+    env: the run's environments (whose texts a "bpe:" tokenizer trains on, if the workdir
+      holds none).
     workdir: the run's workdir.
+    mesh: where the parameters go (e.g. `sharding.make_mesh(config.mesh)`).
     step: checkpoint step; default the newest.
   Returns:
-    (graphdef, params on config.mesh, ChatTokenizer, step).
+    (graphdef, params on `mesh`, ChatTokenizer, step).
   """
-  mesh = sharding_lib.make_mesh(config.mesh)
-  tok = load_tokenizer(config, workdir)
-  abstract = nnx.eval_shape(lambda: Decoder(policy_config(config, tok), rngs=nnx.Rngs(0)))
+  tok = load_tokenizer(policy, env, workdir)
+  abstract = nnx.eval_shape(lambda: Decoder(policy_config(policy, tok), rngs=nnx.Rngs(0)))
   graphdef, abstract_params = nnx.split(abstract, nnx.Param)
   param_shardings = sharding_lib.state_shardings(abstract_params, mesh).to_pure_dict()
   target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

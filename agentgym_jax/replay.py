@@ -53,7 +53,9 @@ import numpy as np
 from absl import app, flags
 
 from agentgym_jax import cli
+from agentgym_jax import multihost
 from agentgym_jax import policies
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rollout import RolloutSettings, envs, run_episodes
 from agentgym_jax.train import checkpoints, provenance, trajectories
@@ -167,8 +169,9 @@ def checkpoint_steps(workdir: str) -> list[int]:
     ckpt.close()
 
 
-def sampling_policy(config: ml_collections.ConfigDict, workdir: str, info: dict[str, Any],
-                    mesh: jax.sharding.Mesh) -> tuple[Any, Any, Any, str]:
+def sampling_policy(policy: policies.PolicySettings, env: envs.EnvSettings, workdir: str,
+                    info: dict[str, Any], mesh: jax.sharding.Mesh
+                    ) -> tuple[Any, Any, Any, str]:
   """(graphdef, params, tokenizer, where from) of the policy that sampled `info`'s step.
 
   Raises:
@@ -177,13 +180,14 @@ def sampling_policy(config: ml_collections.ConfigDict, workdir: str, info: dict[
   wanted, available = info["policy_step"], checkpoint_steps(workdir)
   if wanted in available:
     try:
-      graphdef, params, tok, _ = policies.load_policy(config, workdir, wanted)
+      graphdef, params, tok, _ = policies.load_policy(policy, env, workdir, mesh=mesh,
+                                                      step=wanted)
     except (FileNotFoundError, ValueError) as e:  # restore_policy's one-line reasons
       raise ReplayError(f"checkpoint {wanted} of {workdir}: {e}") from e
     return graphdef, params, tok, f"checkpoint {wanted}"
   if wanted == 0:
-    tok = policies.load_tokenizer(config, workdir)
-    graphdef, params = state_lib.split_params(policies.build_policy(config, tok, mesh))
+    tok = policies.load_tokenizer(policy, env, workdir)
+    graphdef, params = state_lib.split_params(policies.build_policy(policy, tok, mesh))
     return graphdef, params, tok, "the initial policy, rebuilt from the config"
   raise ReplayError(f"step {info['step']}'s episodes were sampled by the policy after step "
                     f"{wanted}, and {workdir} has no checkpoint {wanted} (it has {available}); "
@@ -262,15 +266,15 @@ def compare(recorded: dict[str, Any], replayed: dict[str, Any], digest: str,
 
 # ----- replay ---------------------------------------------------------------------------------
 
-def regenerate(config: ml_collections.ConfigDict, graphdef: Any, params: Any, tok: Any,
-               info: dict[str, Any], rows: np.ndarray | None, mesh: jax.sharding.Mesh
-               ) -> tuple[list[dict[str, Any]], list[str]]:
-  """Samples step `info["step"]`'s batch again (only `rows`, if given) as the trainer did;
-  returns the records of the rows sampled and their log-prob digests."""
+def regenerate(env: envs.EnvSettings, rollout: RolloutSettings, graphdef: Any, params: Any,
+               tok: Any, info: dict[str, Any], rows: np.ndarray | None,
+               mesh: jax.sharding.Mesh) -> tuple[list[dict[str, Any]], list[str]]:
+  """Samples step `info["step"]`'s batch again (only `rows`, if given) as the trainer did,
+  with the run's environments and rollout settings; returns the records of the rows sampled
+  and their log-prob digests."""
   key = jax.random.wrap_key_data(np.asarray(info["rollout_key"], np.uint32))
-  with envs.make_pool(config) as pool:
-    settings = dataclasses.replace(RolloutSettings.from_config(config),
-                                   max_turns=info["max_turns"])
+  with envs.make_pool(env) as pool:
+    settings = dataclasses.replace(rollout, max_turns=info["max_turns"])
     traj, stats = run_episodes((graphdef, params), tok, pool, info["task_ids"], settings,
                                rng=key, mesh=mesh, rows=rows)
   host = jax.device_get(traj)
@@ -301,12 +305,14 @@ def replay(workdir: str, step: int, episodes: Sequence[int] | None = None,
   info = chosen[0]["replay"]
   config = recorded_config(workdir, info) if config is None else config
   mesh = sharding_lib.make_mesh(config.mesh)
-  graphdef, params, tok, source = sampling_policy(config, workdir, info, mesh)
+  env = multihost.process_env(settings_lib.env(config))
+  graphdef, params, tok, source = sampling_policy(settings_lib.policy(config), env, workdir,
+                                                  info, mesh)
   notes = [config_note(workdir, info, config),
            policy_note(info, source, provenance.policy_checksum(params)),
            layout_note(info, mesh.size)]
   rows = np.asarray([r["replay"]["episode"] for r in chosen])
-  records, digests = regenerate(config, graphdef, params, tok, info,
+  records, digests = regenerate(env, settings_lib.rollout(config), graphdef, params, tok, info,
                                 None if mode == "batch" else rows, mesh)
   index = rows if mode == "batch" else np.arange(len(rows))
   verdicts = [compare(recorded, records[i], digests[i], tok.decode)
@@ -326,7 +332,7 @@ def main(argv: Sequence[str]) -> None:
   cli.log_to(None)
   config = cli.config_from_flag() if flags.FLAGS["config"].present else None
   if config is not None:
-    cli.check_env(config)
+    settings_lib.checked_env(config)
   try:
     notes, verdicts = replay(workdir, _STEP.value, _EPISODE.value, mode, config)
   except ReplayError as e:

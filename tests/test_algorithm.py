@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from agentgym_jax import settings as settings_lib
 from agentgym_jax.rl import advantages, losses
 from agentgym_jax.rl.algorithm import ALGORITHMS, AlgorithmSpec, make_advantage_fn
 from agentgym_jax.train import config as base
@@ -30,7 +31,7 @@ def _spec(**algo) -> AlgorithmSpec:
       c.mode = value
     else:
       c.algo[key] = value
-  return AlgorithmSpec.from_config(c)
+  return settings_lib.algorithm(c)
 
 
 def _summary(spec: AlgorithmSpec) -> tuple:

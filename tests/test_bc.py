@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import environments
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import policies
 from agentgym_jax.models import Decoder, ModelConfig
 from agentgym_jax.rl import losses
@@ -162,8 +163,9 @@ def test_init_from_another_shape_stops_naming_both(tmp_path):
   from agentgym_jax.train import checkpoints, state as state_lib  # pylint: disable=import-outside-toplevel
   mesh = make_mesh([("data", 1), ("fsdp", 1), ("tensor", 1)], jax.devices()[:1])
   source = _bc_config("", 64)
-  tok = policies.load_tokenizer(source, str(tmp_path))
-  policy = policies.build_policy(source, tok, mesh)
+  tok = policies.load_tokenizer(settings_lib.policy(source), settings_lib.env(source),
+                                str(tmp_path))
+  policy = policies.build_policy(settings_lib.policy(source), tok, mesh)
   _, params = state_lib.split_params(policy)
   saved = state_lib.TrainState(step=jnp.zeros((), jnp.int32), rng=jnp.zeros((2,), jnp.uint32),
                                policy=params, opt_state=None, ref=None, critic=None,
@@ -172,10 +174,11 @@ def test_init_from_another_shape_stops_naming_both(tmp_path):
   ckpt.save(1, saved, {"data_cursor": 0})
   ckpt.close()
 
-  same = policies.build_policy(_bc_config(str(tmp_path), 64), tok, mesh)
+  same = policies.build_policy(settings_lib.policy(_bc_config(str(tmp_path), 64)), tok, mesh)
   for a, b in zip(jax.tree.leaves(nnx.state(policy)), jax.tree.leaves(nnx.state(same))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match=r"saved \(\d+, 64\) vs config \(\d+, 96\)"):
-    policies.build_policy(_bc_config(str(tmp_path), 96), tok, mesh)
+    policies.build_policy(settings_lib.policy(_bc_config(str(tmp_path), 96)), tok, mesh)
   with pytest.raises(ValueError, match="no checkpoint"):
-    policies.build_policy(_bc_config(str(tmp_path / "nothing"), 64), tok, mesh)
+    policies.build_policy(settings_lib.policy(_bc_config(str(tmp_path / "nothing"), 64)), tok,
+                          mesh)

@@ -609,27 +609,3 @@ def test_bad_arguments(tok, model):
     RolloutSettings(group_size=0)
   with pytest.raises(ValueError, match="history_turns must be >= 0"):
     RolloutSettings(history_turns=-1)
-
-
-def test_settings_from_config_map_every_field():
-  from agentgym_jax.train import config as config_lib  # pylint: disable=import-outside-toplevel
-  config = config_lib.base_config()
-  config.rollout.temperature, config.rollout.top_p, config.rollout.top_k = 0.7, 0.9, 40
-  config.rollout.max_reply_tokens, config.rollout.max_context = 33, 1234
-  config.rollout.replicas, config.rollout.history_turns = 3, 5
-  config.rollout.overlap_env = True
-  config.data.group_size = 6
-  config.env.system_prompt, config.env.invalid_action_reward = "Be brief.", -0.25
-  config.schedule.kind, config.schedule.horizons = "scaling_inter", (7, 11)
-  settings = RolloutSettings.from_config(config)
-  assert settings == RolloutSettings(
-      sampling=SamplingConfig(temperature=0.7, top_p=0.9, top_k=40, max_reply_tokens=33),
-      group_size=6, max_turns=7, max_context=1234, system_prompt="Be brief.", replicas=3,
-      history_turns=5, overlap_env=True, invalid_action_reward=-0.25)
-  # Only what the config does not set keeps its default; an empty system prompt is None.
-  config.env.system_prompt = ""
-  assert RolloutSettings.from_config(config).system_prompt is None
-  defaults = RolloutSettings()
-  assert (settings.acknowledgement, settings.max_chunk, settings.compact,
-          settings.grow_cache) == (defaults.acknowledgement, defaults.max_chunk,
-                                   defaults.compact, defaults.grow_cache)

@@ -17,6 +17,7 @@ import pytest
 from absl import flags
 from absl import logging as absl_logging
 
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import cli
 from agentgym_jax.rl import advantages
 from agentgym_jax.rl.algorithm import AlgorithmSpec, make_advantage_fn
@@ -33,7 +34,7 @@ def _spec(estimator, **kwargs) -> AlgorithmSpec:
   c = base.base_config()
   c.algo.estimator, c.algo.kl_coef = estimator, 0.0
   c.algo.estimator_kwargs = ml_collections.ConfigDict(kwargs)
-  return AlgorithmSpec.from_config(base.lock(c))
+  return settings_lib.algorithm(base.lock(c))
 
 
 def _parse(*overrides, config=f"{CONFIG},algo=gigpo"):
@@ -150,7 +151,7 @@ def test_command_line_sets_options_one_by_one_or_as_a_dict():
   for config in (one, whole):
     assert config.algo.estimator_kwargs.to_dict() == {"step_weight": 0.5,
                                                       "step_norm": "mean_std_norm"}
-    assert AlgorithmSpec.from_config(config).estimator_options == (
+    assert settings_lib.algorithm(config).estimator_options == (
         ("step_norm", "mean_std_norm"), ("step_weight", 0.5))
   # Everything else stays locked: a misspelt or removed field is still an error.
   for bad in ("--config.algo.step_weight=0.5", "--config.optim.lrr=1.0",

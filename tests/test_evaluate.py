@@ -5,6 +5,7 @@ import os
 import numpy as np
 import pytest
 
+from agentgym_jax import settings as settings_lib
 from agentgym_jax.evaluate import eval_metrics as em
 from agentgym_jax.evaluate import report
 
@@ -196,10 +197,10 @@ def test_evaluate_golden_over_fake_pool(tiny_policy, tmp_path):
   graphdef, state, tok = tiny_policy
   pool = _FakePool()
   config = _textcraft_config()
-  settings = evaluate.EvalSettings.from_config(config, ks=(1, 2, 4))
+  settings = settings_lib.evaluation(config, ks=(1, 2, 4))
   assert (settings.split, settings.num_tasks, settings.num_samples, settings.max_turns,
           settings.temperature, settings.max_reply_tokens) == ("test", 4, 2, 3, 0.0, 4)
-  result = evaluate.evaluate(config, settings, graphdef, state, tok, pool,
+  result = evaluate.evaluate(settings_lib.env(config), settings, graphdef, state, tok, pool,
                              rng=evaluate.eval_key(0),
                              episodes_path=str(tmp_path / "ep.jsonl"))
   assert pool.resets == 2  # two chunks of 2 tasks (one compiled shape)
@@ -249,7 +250,8 @@ def test_load_policy_with_neither_flag_evaluates_the_config_model():
   config.tokenizer.spec = "bpe:300"
   config.tokenizer.bpe_tasks = 2
   mesh = sharding.make_mesh(config.mesh)
-  graphdef, state, tok, label = evaluate_cli._load_policy(config, None, None, None, mesh)
+  graphdef, state, tok, label = evaluate_cli._load_policy(
+      settings_lib.policy(config), settings_lib.env(config), None, None, None, mesh)
   assert label == "random" and tok.vocab_size <= 300
   assert nnx.merge(graphdef, state).cfg.vocab_size == tok.vocab_size
 
@@ -269,10 +271,10 @@ def test_webarena_runlocal_table_has_the_paper_columns_of_the_served_env(tiny_po
   config = webarena.get_config("runlocal")
   with running_server("textcraft") as url:
     config.env.kwargs.url = url
-    settings = evaluate.EvalSettings.from_config(config, num_samples=1, max_turns=1,
-                                                 max_reply_tokens=2)
-    with envs.make_pool(config) as pool:
-      result = evaluate.evaluate(config, settings, graphdef, state, tok, pool,
+    settings = settings_lib.evaluation(config, num_samples=1, max_turns=1, max_reply_tokens=2)
+    env = settings_lib.env(config)
+    with envs.make_pool(env) as pool:
+      result = evaluate.evaluate(env, settings, graphdef, state, tok, pool,
                                  rng=evaluate.eval_key(0))
   want = [evaluate.paper_column("textcraft", c) for c in sorted(set(result.categories.values()))]
   assert result.settings["env"] == "textcraft"

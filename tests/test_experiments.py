@@ -12,8 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # experiment files import `experiments.agentgym_rl.common`.
   sys.path.insert(0, str(ROOT))
 
+from agentgym_jax import settings as settings_lib  # pylint: disable=wrong-import-position
 from agentgym_jax import sweeps  # pylint: disable=wrong-import-position
-from agentgym_jax.rl import schedule  # pylint: disable=wrong-import-position
 from agentgym_jax.train import config as base  # pylint: disable=wrong-import-position
 
 PAPER_ENVS = ("babyai", "textcraft", "sciworld", "searchqa", "webarena")
@@ -69,7 +69,7 @@ def test_paper_configs_load_for_every_documented_arg(env):
     assert config.env.name in (env, "remote"), arg
     kind = "scaling_inter" if "scaling_inter" in arg else "fixed"
     assert config.schedule.kind == kind
-    schedule.validate(config.schedule)  # the trainer's own check of the horizon schedule
+    settings_lib.schedule(config)  # the trainer's own check of the horizon schedule
     rows = config.data.batch_tasks * config.data.group_size
     assert rows % (config.algo.minibatches * config.algo.microbatches) == 0, arg
     if "smollm2" in arg:
@@ -176,7 +176,7 @@ def test_sweeps_expand_and_apply(env):
         for part in filter(None, section.split(".")):
           holder = holder[part]
         holder[leaf] = value
-      schedule.validate(config.schedule)
+      settings_lib.schedule(config)
   with pytest.raises(ValueError, match="Unknown sweep"):
     module.get_sweep("nope")
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import evaluate
 from agentgym_jax.models import Decoder, ModelConfig
 from agentgym_jax.rl import advantages
@@ -141,13 +142,14 @@ def _evaluate_config(url):
 def test_evaluation_reports_failed_episodes_as_failed_not_as_zeros(tok, model, tmp_path):
   # The env server fails the reset of every task whose id is divisible by 3 and scores every
   # other episode 1: BabyAI's first 6 test tasks (1800-1805) hold two such tasks.
-  settings = evaluate.EvalSettings(split="test", num_tasks=6, num_samples=2, max_turns=1,
-                                   temperature=1.0, max_reply_tokens=4)
   graphdef, state = nnx.split(model)
   with running_server("toy_envs:FlakyEnv", protocol="babyai", extra_env=_TOY_ENV) as url:
     config = _evaluate_config(url)
-    with envs.make_pool(config) as pool:
-      result = evaluate.evaluate(config, settings, graphdef, state, tok, pool,
+    settings = settings_lib.evaluation(config, split="test", num_tasks=6, num_samples=2,
+                                       max_turns=1, temperature=1.0, max_reply_tokens=4)
+    env = settings_lib.env(config)
+    with envs.make_pool(env) as pool:
+      result = evaluate.evaluate(env, settings, graphdef, state, tok, pool,
                                  rng=evaluate.eval_key(0))
   assert result.failed.tolist() == [t % 3 == 0 for t in result.task_ids]
   assert result.failed.sum() == 4

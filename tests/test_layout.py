@@ -21,10 +21,12 @@ FLOORS = {
     "rollout": 3,
     # 4: what the commands share: flags, processes of a multi-host job, the policy to load.
     "cli": 4, "multihost": 4, "policies": 4,
-    "evaluate": 5,
-    "train": 6,
-    # 7: the tools around a training run.
-    "plan": 7, "replay": 7, "report": 7, "viewer": 7,
+    # 5: the one door from the config to the typed settings everything below takes.
+    "settings": 5,
+    "evaluate": 6,
+    "train": 7,
+    # 8: the tools around a training run.
+    "plan": 8, "replay": 8, "report": 8, "viewer": 8,
 }
 
 
@@ -89,6 +91,64 @@ def test_every_import_goes_down_a_floor():
   assert not wrong, "Imports must go down a floor (FLOORS):\n" + "\n".join(wrong)
 
 
+# Below the trainer (FLOORS under "train") every module takes typed settings, never the config
+# (docs/design.md, "Typed settings"). Exempt: `agentgym_jax/settings.py`, the one door from the
+# ConfigDict to those settings, which stands below the evaluation command line that calls it;
+# and the command lines themselves (`__main__.py` modules), which read the --config flag.
+CONFIG_DOORS = ("agentgym_jax/settings.py",)
+
+
+def _is_config_dict(annotation: ast.AST | None) -> bool:
+  """Whether an annotation names ml_collections' ConfigDict (also inside `X | None`, or as a
+  string)."""
+  for node in ast.walk(annotation) if annotation is not None else ():
+    if (isinstance(node, ast.Name) and node.id == "ConfigDict"
+        or isinstance(node, ast.Attribute) and node.attr == "ConfigDict"
+        or isinstance(node, ast.Constant) and "ConfigDict" in str(node.value)):
+      return True
+  return False
+
+
+def config_takers(source: str, filename: str = "<source>") -> list[str]:
+  """"file:line function(parameter)" for each parameter of a function in `source` that takes
+  the config: annotated as a ConfigDict, or, unannotated or not, named `config`."""
+  found = []
+  for node in ast.walk(ast.parse(source, filename)):
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      continue
+    a = node.args
+    params = [*a.posonlyargs, *a.args, *a.kwonlyargs] + [p for p in (a.vararg, a.kwarg) if p]
+    name = getattr(node, "name", "<lambda>")
+    found += [f"{filename}:{node.lineno} {name}({p.arg})" for p in params
+              if p.arg == "config" or _is_config_dict(p.annotation)]
+  return found
+
+
+def test_no_module_below_the_trainer_takes_the_config():
+  takers = []
+  for path in sorted(LIBRARY.rglob("*.py")):
+    relative = str(path.relative_to(ROOT))
+    if (FLOORS[_unit(_module_name(path))] >= FLOORS["train"] or path.name == "__main__.py"
+        or relative in CONFIG_DOORS):
+      continue
+    takers += config_takers(path.read_text(), relative)
+  assert not takers, ("Modules below train/ take typed settings, not the ConfigDict (make them "
+                      "in agentgym_jax/settings.py):\n" + "\n".join(takers))
+
+
+def test_the_config_check_finds_each_way_of_taking_it():
+  source = """
+def annotated(c: ml_collections.ConfigDict): ...
+def optional(*, c: "ConfigDict | None" = None): ...
+class Spec:
+  @classmethod
+  def from_config(cls, config): ...
+def typed(env: EnvSettings, configure: bool, cfg: ModelConfig): ...
+"""
+  assert config_takers(source) == ["<source>:2 annotated(c)", "<source>:3 optional(c)",
+                                   "<source>:6 from_config(config)"]
+
+
 def test_replay_regenerates_without_the_trainer_loop():
   """Replay reruns a step's rollouts through the rollout engine itself, not the trainer's."""
   found = [(line, dotted) for line, dotted in _imports(LIBRARY / "replay.py")
@@ -111,31 +171,35 @@ def test_environments_never_import_jax():
 
 def test_the_door_checks_config_env_and_names_the_served_env():
   import pytest
+  from agentgym_jax import settings
   from agentgym_jax.rollout import envs
   from agentgym_jax.train import config as base
   c = base.base_config()
   c.env.name = "babyai"
-  envs.check(c)
-  assert envs.served_name(c) == "babyai" and len(envs.task_splits(c)["test"]) == 90
+  envs.check(settings.env(c))
+  assert (envs.served_name(settings.env(c)) == "babyai"
+          and len(envs.task_splits(settings.env(c))["test"]) == 90)
   c.env.name = "remote"
   with pytest.raises(ValueError, match="needs env_name"):
-    envs.check(c)
+    envs.check(settings.env(c))
   c.env.kwargs = {"env_name": "webarena"}
-  envs.check(c)
-  assert envs.served_name(c) == "webarena" and "categories" not in envs.task_splits(c)
+  envs.check(settings.env(c))
+  assert (envs.served_name(settings.env(c)) == "webarena"
+          and "categories" not in envs.task_splits(settings.env(c)))
   c.env.name = "minecraft"
   with pytest.raises(ValueError, match="Unknown environment config.env.name='minecraft'"):
-    envs.check(c)
+    envs.check(settings.env(c))
 
 
 def test_env_categories_keep_each_split_to_the_named_categories():
   import pytest
+  from agentgym_jax import settings
   from agentgym_jax.rollout import envs
   from agentgym_jax.train import config as base
   c = base.base_config()
   c.env.name = "textcraft"
   c.env.categories = ("depth1",)
-  splits = envs.task_splits(c)
+  splits = envs.task_splits(settings.env(c))
   # TextCraft's split file: 94 of the 374 train goals and 31 of the 100 test goals are depth 1.
   assert (len(splits["train"]), len(splits["test"])) == (94, 31)
   import environments
@@ -143,4 +207,4 @@ def test_env_categories_keep_each_split_to_the_named_categories():
   assert {env.reset(options={"task_id": t})[1]["category"] for t in splits["test"]} == {"depth1"}
   c.env.categories = ("depth9",)
   with pytest.raises(ValueError, match=r"names \['depth9'\].*known: \['depth1', 'depth2'"):
-    envs.task_splits(c)
+    envs.task_splits(settings.env(c))

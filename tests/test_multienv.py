@@ -21,6 +21,7 @@ import pytest
 
 import environments
 from agentgym_jax import evaluate
+from agentgym_jax import settings
 from agentgym_jax.rollout import envs
 from agentgym_jax.rollout.episodes import opening_messages
 from agentgym_jax.tokenization import ChatTokenizer
@@ -84,38 +85,58 @@ def test_mixture_stream_holds_every_share_to_within_one_task():
 
 def test_each_environment_keeps_its_own_shuffled_epochs_in_a_mixed_run():
   config = babyai_and_textcraft()
-  stream = sources.task_stream(config)
+  env = settings.env(config)
+  stream = sources.task_stream(env, config.seed)
   drawn = stream.take(0, 40)
-  babyai, textcraft = envs.members(config)
+  babyai, textcraft = env.mix
   # One task of each per batch of 2, in the members' label order.
-  assert [envs.environment_of(config, t) for t in drawn] == ["babyai", "textcraft"] * 20
+  assert [envs.environment_of(env, t) for t in drawn] == ["babyai", "textcraft"] * 20
   # Each environment's ids are its own stream's: its training tasks, in its shuffled order.
   for m, ids in ((babyai, drawn[0::2]), (textcraft, drawn[1::2])):
-    own = data.TaskStream([m.encode(t) for t in envs.training_tasks(m.config)], config.seed)
+    own = data.TaskStream([m.encode(t) for t in envs.training_tasks(m.env)], config.seed)
     assert ids == own.take(0, 20)
-  assert {t % envs.TASK_STRIDE for t in drawn[1::2]} <= set(envs.training_tasks(textcraft.config))
+  assert {t % envs.TASK_STRIDE for t in drawn[1::2]} <= set(envs.training_tasks(textcraft.env))
 
 
 def test_a_restarted_mixture_draws_from_its_cursor_what_the_first_would_have():
-  config = babyai_and_textcraft(0.75, 0.25)
-  uninterrupted = sources.task_stream(config).take(0, 30)
-  restarted = sources.task_stream(config)  # a new process: nothing but the saved cursor
+  env = settings.env(babyai_and_textcraft(0.75, 0.25))
+  uninterrupted = sources.task_stream(env, 0).take(0, 30)
+  restarted = sources.task_stream(env, 0)  # a new process: nothing but the saved cursor
   assert restarted.take(14, 16) == uninterrupted[14:]
-  assert sources.task_stream(config).take(7, 3) == uninterrupted[7:10]
+  assert sources.task_stream(env, 0).take(7, 3) == uninterrupted[7:10]
 
 
-def test_each_environment_runs_alone_in_its_member_config_its_cap_on_the_schedule():
+def test_each_environment_runs_alone_in_its_member_settings():
+  config = babyai_and_textcraft()
+  config.env.num_workers = 3
+  env = settings.env(config)
+  babyai, textcraft = env.mix
+  assert (babyai.label, babyai.env.name, babyai.max_turns) == ("babyai", "babyai", 3)
+  assert (textcraft.label, textcraft.index, textcraft.max_turns) == ("textcraft", 1, 0)
+  assert textcraft.env.categories == ("depth1",)
+  assert textcraft.env.system_prompt == "You craft."
+  # The run's pool settings hold for each environment; a member mixes nothing itself.
+  assert babyai.env.num_workers == textcraft.env.num_workers == 3
+  assert not textcraft.env.mix and env.name == envs.MIX and env.is_mixture
+
+
+def test_a_capped_environment_s_demonstrations_stop_at_its_cap(tmp_path, monkeypatch):
   config = babyai_and_textcraft()
   config.schedule.kind, config.schedule.horizons = "scaling_inter", (2, 6, 10)
-  babyai, textcraft = envs.members(config)
-  assert (babyai.label, babyai.config.env.name, babyai.max_turns) == ("babyai", "babyai", 3)
-  # ScalingInter's phases, each capped at BabyAI's 3 turns (its demonstrations' limit too);
-  # TextCraft has no cap of its own.
-  assert babyai.config.schedule.horizons == (2, 3, 3)
-  assert textcraft.config.schedule.horizons == (2, 6, 10)
-  assert textcraft.config.env.categories == ("depth1",)
-  assert textcraft.config.env.system_prompt == "You craft."
-  assert not textcraft.config.env.mix and config.env.name == envs.MIX  # the run's is untouched
+  config.bc.num_tasks, config.bc.cache_dir = 1, str(tmp_path)
+  corpus = [environments.env_class(n).instruction for n in ("babyai", "textcraft")] * 10
+  tok = ChatTokenizer.train_bpe(corpus, vocab_size=300)
+  played = []
+  original = sources.demos_lib.expert_episodes
+
+  def spy(env, tok, task_ids, expert):
+    played.append((env.name, expert.max_turns))
+    return original(env, tok, task_ids, expert)
+
+  monkeypatch.setattr(sources.demos_lib, "expert_episodes", spy)
+  sources.demonstrations(config, settings.env(config), tok)
+  # BabyAI's 3-turn cap below the schedule's longest horizon; TextCraft has no cap.
+  assert played == [("babyai", 3), ("textcraft", 10)]
 
 
 # ----- bad input ------------------------------------------------------------------------------
@@ -141,7 +162,7 @@ def test_a_bad_mixture_is_a_one_line_error_naming_the_field(change, message):
   config = babyai_and_textcraft()
   change(config)
   with pytest.raises(ValueError, match=message) as error:
-    envs.check(config)
+    envs.check(settings.env(config))
   assert "\n" not in str(error.value)
 
 
@@ -152,9 +173,9 @@ def test_a_mixture_member_with_missing_or_unknown_fields_is_named():
                                                       "turns": 3})
   with pytest.raises(ValueError, match=r"config\.env\.mix\.extra lacks \['kwargs', .*"
                                        r"has unknown \['turns'\]"):
-    envs.check(config)
+    settings.env(config)
   with pytest.raises(ValueError, match=r"config\.env\.name='mix' needs its environments"):
-    envs.check(mixture())
+    envs.check(settings.env(mixture()))
 
 
 def test_behaviour_cloning_mixes_each_environment_s_demonstrations_by_ratio(tmp_path):
@@ -162,16 +183,17 @@ def test_behaviour_cloning_mixes_each_environment_s_demonstrations_by_ratio(tmp_
   config.bc.num_tasks, config.bc.cache_dir = 3, str(tmp_path)
   corpus = [environments.env_class(n).instruction for n in ("babyai", "textcraft")] * 10
   tok = ChatTokenizer.train_bpe(corpus, vocab_size=300)
-  demos = sources.demonstrations(config, tok)
-  babyai, textcraft = envs.members(config)
+  env = settings.env(config)
+  demos = sources.demonstrations(config, env, tok)
+  babyai, textcraft = env.mix
   # Each environment's first 3 training tasks, played by its own expert in its own episode
   # layout (TextCraft's with its system prompt), ids the mixed run's.
   assert [e.task_id for e in demos] == (
-      [babyai.encode(t) for t in envs.training_tasks(babyai.config)[:3]]
-      + [textcraft.encode(t) for t in envs.training_tasks(textcraft.config)[:3]])
+      [babyai.encode(t) for t in envs.training_tasks(babyai.env)[:3]]
+      + [textcraft.encode(t) for t in envs.training_tasks(textcraft.env)[:3]])
   assert [e.messages[0]["role"] for e in demos] == ["user"] * 3 + ["system"] * 3
   assert all(e.success for e in demos)
-  order = sources.task_stream(config, demos).take(0, 6)
+  order = sources.task_stream(env, config.seed, demos).take(0, 6)
   assert sorted(order[0::2]) == [0, 1, 2] and sorted(order[1::2]) == [3, 4, 5]
 
 
@@ -179,11 +201,11 @@ def test_behaviour_cloning_mixes_each_environment_s_demonstrations_by_ratio(tmp_
 
 
 def test_mixed_pool_routes_each_episode_and_gives_its_environment_s_opening():
-  config = babyai_and_textcraft()
-  babyai, textcraft = envs.members(config)
-  task_ids = [textcraft.encode(envs.training_tasks(textcraft.config)[0]),
-              babyai.encode(envs.training_tasks(babyai.config)[0])]
-  with envs.make_pool(config) as pool:
+  env = settings.env(babyai_and_textcraft())
+  babyai, textcraft = env.mix
+  task_ids = [textcraft.encode(envs.training_tasks(textcraft.env)[0]),
+              babyai.encode(envs.training_tasks(babyai.env)[0])]
+  with envs.make_pool(env) as pool:
     opened = pool.reset(task_ids)
     assert [out.info["task_id"] for out in opened] == task_ids
     assert [out.info["system_prompt"] for out in opened] == ["You craft.", None]
@@ -211,18 +233,18 @@ def test_the_opening_takes_its_environment_s_system_prompt_from_the_reset():
 
 
 def test_evaluation_takes_the_first_tasks_of_each_environment():
-  config = babyai_and_textcraft()
-  babyai, textcraft = envs.members(config)
-  ids = envs.evaluation_tasks(config, "test", 3)
-  assert ids == ([babyai.encode(t) for t in envs.task_splits(babyai.config)["test"][:3]]
-                 + [textcraft.encode(t) for t in envs.task_splits(textcraft.config)["test"][:3]])
+  env = settings.env(babyai_and_textcraft())
+  babyai, textcraft = env.mix
+  ids = envs.evaluation_tasks(env, "test", 3)
+  assert ids == ([babyai.encode(t) for t in envs.task_splits(babyai.env)["test"][:3]]
+                 + [textcraft.encode(t) for t in envs.task_splits(textcraft.env)["test"][:3]])
   with pytest.raises(ValueError, match="Split 'dev' not in"):
-    envs.evaluation_tasks(config, "dev", 3)
+    envs.evaluation_tasks(env, "dev", 3)
 
 
 def test_held_out_results_per_environment_by_hand():
-  config = babyai_and_textcraft()
-  babyai, textcraft = envs.members(config)
+  env = settings.env(babyai_and_textcraft())
+  babyai, textcraft = env.mix
   task_ids = [babyai.encode(1), babyai.encode(2), textcraft.encode(5), textcraft.encode(6)]
   success = np.array([True, False, True, True])
   failed = np.array([False, False, False, True])
@@ -231,7 +253,7 @@ def test_held_out_results_per_environment_by_hand():
       summary=summary, settings={}, task_ids=task_ids, rewards=success * 1.0,
       scores=success * 1.0, success=success, passed=success, num_turns=np.ones(4, np.int32),
       failed=failed, stop_reasons=["terminated"] * 4, categories={}, seconds=0.0)
-  assert evaluate.environment_metrics(config, result) == {
+  assert evaluate.environment_metrics(env, result) == {
       "babyai/success_rate": 0.5, "babyai/avg": 0.5, "babyai/pass": 0.5,
       # the failed episode measured nothing: 1 of 1 healthy
       "textcraft/success_rate": 1.0, "textcraft/avg": 1.0, "textcraft/pass": 1.0}
@@ -280,7 +302,7 @@ def test_multienv_runlocal_trains_resumes_and_reports_each_environment(tmp_path)
   lines = _lines(workdir / "metrics.jsonl")
   assert [m["step"] for m in lines] == [1, 2]
   config = importlib.import_module("experiments.smollm2.multienv").get_config(arg)
-  stream = sources.task_stream(config)
+  stream = sources.task_stream(settings.env(config), config.seed)
   for line in lines:
     assert line["data/cursor"] == 2 * line["step"]
     for label in ("babyai", "textcraft"):

@@ -127,12 +127,15 @@ def _metrics(workdir) -> list[dict]:
 def _policy_at(workdir, step) -> dict:
   """The checkpointed policy of `workdir` at `step`, as host arrays by parameter path."""
   import jax  # pylint: disable=import-outside-toplevel
-  from agentgym_jax import policies  # pylint: disable=import-outside-toplevel
+  from agentgym_jax import policies, settings, sharding  # pylint: disable=import-outside-toplevel
   path, arg = CONFIG.split(":")
   spec = importlib.util.spec_from_file_location("multihost_config", ROOT / path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  _, params, _, _ = policies.load_policy(module.get_config(arg), str(workdir), step)
+  config = module.get_config(arg)
+  _, params, _, _ = policies.load_policy(settings.policy(config), settings.env(config),
+                                         str(workdir), mesh=sharding.make_mesh(config.mesh),
+                                         step=step)
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   return {jax.tree_util.keystr(path): np.asarray(x) for path, x in flat}
 
@@ -289,17 +292,17 @@ def test_each_process_gets_its_own_env_service_url(monkeypatch):
   config = base.base_config()
   config.env.name = "remote"
   config.env.urls = ("http://a:1", "http://b:2")
-  config = base.lock(config)
+  env = settings.env(base.lock(config))
   urls = []
   for process in range(3):
     monkeypatch.setattr(jax, "process_index", lambda process=process: process)
-    urls.append(multihost.process_config(config).env.kwargs.url)
+    urls.append(multihost.process_env(env).kwargs["url"])
   assert urls == ["http://a:1", "http://b:2", "http://a:1"]
-  assert "url" not in config.env.kwargs  # the caller's config is left as it was
+  assert "url" not in env.kwargs  # the caller's settings are left as they were
   config = base.base_config()
   config.env.urls = ("http://a:1",)
   with pytest.raises(ValueError, match="env.urls is set but env.name is 'scripted'"):
-    multihost.process_config(base.lock(config))
+    multihost.process_env(settings.env(base.lock(config)))
 
 
 def test_maybe_initialize_distributed_detects_clusters_and_sets_timeouts(monkeypatch):
@@ -334,7 +337,7 @@ def test_maybe_initialize_distributed_detects_clusters_and_sets_timeouts(monkeyp
 
 
 def test_explicit_coordinator_needs_process_count(monkeypatch):
-  from agentgym_jax import multihost  # pylint: disable=import-outside-toplevel
+  from agentgym_jax import multihost, settings  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
   monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
   with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):

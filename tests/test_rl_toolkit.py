@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from agentgym_jax import settings as settings_lib
 from agentgym_jax.rl import dynamic_sampling, losses, overlong
-from agentgym_jax.rl.algorithm import AlgorithmSpec
 from agentgym_jax.train import config as base
 from agentgym_jax.train import update as update_lib
 
@@ -250,7 +250,7 @@ def test_bad_toolkit_fields_fail_in_one_line(field, value, match):
   c = base.base_config()
   c.algo[field] = value
   with pytest.raises(ValueError, match=match) as info:
-    AlgorithmSpec.from_config(c)
+    settings_lib.algorithm(c)
   assert "\n" not in str(info.value)
 
 
@@ -259,18 +259,18 @@ def test_overlong_penalty_must_be_positive():
   c.algo.overlong = "penalty"
   c.algo.overlong_penalty = 0.0
   with pytest.raises(ValueError, match="needs algo.overlong_penalty > 0"):
-    AlgorithmSpec.from_config(c)
+    settings_lib.algorithm(c)
 
 
 def test_toolkit_fields_reach_the_spec_and_are_off_in_behaviour_cloning():
   c = base.base_config()
   c.algo.update(tis_cap=2.0, overlong="penalty", overlong_penalty=0.5, dynamic_sampling=True,
                 dynamic_sampling_max_rounds=3)
-  spec = AlgorithmSpec.from_config(c)
+  spec = settings_lib.algorithm(c)
   assert (spec.tis_cap, spec.overlong, spec.overlong_penalty, spec.dynamic_sampling,
           spec.dynamic_sampling_max_rounds) == (2.0, "penalty", 0.5, True, 3)
   c.mode = "bc"
-  spec = AlgorithmSpec.from_config(c)
+  spec = settings_lib.algorithm(c)
   assert (spec.tis_cap, spec.overlong, spec.dynamic_sampling) == (0.0, "none", False)
 
 

@@ -1,22 +1,28 @@
 """Turn-limit schedules: fixed and ScalingInter-RL phases, phases that end on training evidence
-(by hand), resume invariance (pure and through the trainer), config validation."""
+(by hand), resume invariance (pure and through the trainer), validation of the schedule's
+fields."""
 
 import json
 
-import ml_collections
 import numpy as np
 import pytest
 from test_trainer import CONFIG, metrics, run_cli, training_metrics
 
+from agentgym_jax import settings as settings_lib
 from agentgym_jax.rl import schedule
+from agentgym_jax.train import config as base
 
 
-def scaling(horizons, steps_per_phase):
+def scaling_fields(horizons, steps_per_phase):
   return {"kind": "scaling_inter", "horizons": horizons, "steps_per_phase": steps_per_phase}
 
 
+def scaling(horizons, steps_per_phase):
+  return schedule.Schedule(**scaling_fields(horizons, steps_per_phase))
+
+
 def test_fixed():
-  config = {"kind": "fixed", "horizons": [20]}
+  config = schedule.Schedule("fixed", [20])
   assert [schedule.max_turns(config, s) for s in (0, 1, 99, 10**6)] == [20] * 4
   assert schedule.phase(config, 12345) == 0
 
@@ -30,10 +36,13 @@ def test_scaling_inter_paper_webarena():
   assert [schedule.phase(config, s) for s in (0, 80, 160, 5000)] == [0, 1, 2, 2]
 
 
-def test_config_dict_and_contract_name():
-  config = ml_collections.ConfigDict({"kind": "scaling_inter", "horizons": [5, 8, 10],
-                                      "steps_per_phase": 100})
-  config.lock()
+def test_the_config_s_schedule_and_contract_name():
+  c = base.base_config()
+  c.schedule.kind, c.schedule.horizons = "scaling_inter", (5, 8, 10)
+  c.schedule.steps_per_phase = 100
+  config = settings_lib.schedule(base.lock(c))
+  assert (config.kind, config.horizons, config.steps_per_phase, config.advance) == (
+      "scaling_inter", (5, 8, 10), 100, "steps")
   assert schedule.max_turns(config, 150) == 8
   assert schedule.horizon(config, 250) == 10
 
@@ -76,13 +85,13 @@ def test_resume_does_not_shift_the_phase():
 @pytest.mark.parametrize("config,message", [
     ({"kind": "scaling_inter", "horizons": [], "steps_per_phase": 10}, "horizons is empty"),
     ({"kind": "fixed", "horizons": []}, "horizons is empty"),
-    (scaling([10, 10, 20], 5), "strictly increasing"),
-    (scaling([10, 8], 5), "strictly increasing"),
-    (scaling([0, 8], 5), "positive turn counts"),
+    (scaling_fields([10, 10, 20], 5), "strictly increasing"),
+    (scaling_fields([10, 8], 5), "strictly increasing"),
+    (scaling_fields([0, 8], 5), "positive turn counts"),
     ({"kind": "fixed", "horizons": [-3]}, "positive turn counts"),
-    (scaling([5, 8.5], 5), "must be integers"),
-    (scaling([5, 8], 0), "steps_per_phase must be a positive integer"),
-    (scaling([5, 8], 2.5), "steps_per_phase must be a positive integer"),
+    (scaling_fields([5, 8.5], 5), "must be integers"),
+    (scaling_fields([5, 8], 0), "steps_per_phase must be a positive integer"),
+    (scaling_fields([5, 8], 2.5), "steps_per_phase must be a positive integer"),
     ({"kind": "scaling_inter", "horizons": [5, 8]}, "steps_per_phase must be a positive integer"),
     ({"kind": "fixed", "horizons": [10, 20]}, "exactly one horizon"),
     ({"kind": "fixed", "horizons": 20}, "must be a list"),
@@ -90,21 +99,25 @@ def test_resume_does_not_shift_the_phase():
 ])
 def test_invalid_configs(config, message):
   with pytest.raises(ValueError, match=message):
-    schedule.max_turns(config, 0)
+    schedule.Schedule(**config)
 
 
 @pytest.mark.parametrize("step", [-1, 1.5, None])
 def test_invalid_step(step):
   with pytest.raises(ValueError, match="non-negative integer"):
-    schedule.max_turns({"kind": "fixed", "horizons": [20]}, step)
+    schedule.max_turns(schedule.Schedule("fixed", [20]), step)
 
 
 # ----- phases that end on evidence (schedule.advance) ----------------------------------------
 
 
-def evidence(advance, horizons=(2, 4, 6), steps_per_phase=100, **fields):
+def evidence_fields(advance, horizons=(2, 4, 6), steps_per_phase=100, **fields):
   return {"kind": "scaling_inter", "horizons": list(horizons), "steps_per_phase": steps_per_phase,
           "advance": advance, **fields}
+
+
+def evidence(advance, **fields):
+  return schedule.Schedule(**evidence_fields(advance, **fields))
 
 
 def fold(config, successes, progress=None, start=0):
@@ -169,14 +182,14 @@ def test_progress_survives_a_checkpoint_exactly():
 
 
 @pytest.mark.parametrize("config,message", [
-    (evidence("sucess"), "schedule.advance must be one of"),
-    (evidence("success", window=0), "window must be a positive"),
-    (evidence("plateau", window=1.5), "window must be a positive"),
-    (evidence("success", success_threshold=1.5), r"in \[0, 1\]"),
+    (evidence_fields("sucess"), "schedule.advance must be one of"),
+    (evidence_fields("success", window=0), "window must be a positive"),
+    (evidence_fields("plateau", window=1.5), "window must be a positive"),
+    (evidence_fields("success", success_threshold=1.5), r"in \[0, 1\]"),
 ])
 def test_invalid_evidence_configs(config, message):
   with pytest.raises(ValueError, match=message):
-    schedule.validate(config)
+    schedule.Schedule(**config)
 
 
 def test_evidence_rules_need_their_evidence():

@@ -127,7 +127,7 @@ def test_smollm2_bc_then_grpo_exports_what_transformers_reloads(gguf_path, tmp_p
   directory in transformers (torch) gives the logits of our final checkpoint."""
   torch = pytest.importorskip("torch")
   from transformers import AutoModelForCausalLM, AutoTokenizer
-  from agentgym_jax import policies
+  from agentgym_jax import policies, settings as settings_lib, sharding
   from agentgym_jax.train import checkpoints
 
   config = "experiments/agentgym_rl/babyai.py:model=smollm2,runlocal"
@@ -149,7 +149,9 @@ def test_smollm2_bc_then_grpo_exports_what_transformers_reloads(gguf_path, tmp_p
   from experiments.agentgym_rl import babyai
   cfg = babyai.get_config("model=smollm2,runlocal")
   cfg.mesh = (("data", 1), ("fsdp", -1), ("tensor", 1))
-  graphdef, params, _, step = policies.load_policy(cfg, str(rl))
+  graphdef, params, _, step = policies.load_policy(
+      settings_lib.policy(cfg), settings_lib.env(cfg), str(rl),
+      mesh=sharding.make_mesh(cfg.mesh))
   assert step == 2
   hf_dir = rl / checkpoints.HF_EXPORT_DIR
   tok = AutoTokenizer.from_pretrained(hf_dir)

@@ -43,27 +43,30 @@ def test_study_configs_build_and_lock(env, arg):
 def test_textcraft_demonstrations_take_each_depth_in_turn():
   """TextCraft's train split lists its 94 depth-1 goals (ids 31-124; 0-30 are test goals)
   before its depth-2 ones (from 125): balanced BC takes one of each in turn."""
+  from agentgym_jax import settings as settings_lib  # pylint: disable=import-outside-toplevel
   from agentgym_jax.rollout import envs  # pylint: disable=import-outside-toplevel
   from experiments.smollm2 import textcraft  # pylint: disable=import-outside-toplevel
   c = textcraft.get_config("stage=bc")
   assert c.bc.balance_categories
-  train = envs.task_splits(c)["train"]
+  env = settings_lib.env(c)
+  train = envs.task_splits(env)["train"]
   assert train[:2] == [31, 32]
-  assert envs.interleave_categories(c, train)[:6] == [31, 125, 32, 126, 33, 127]
-  assert sorted(envs.interleave_categories(c, train)) == sorted(train)
+  assert envs.interleave_categories(env, train)[:6] == [31, 125, 32, 126, 33, 127]
+  assert sorted(envs.interleave_categories(env, train)) == sorted(train)
 
 
 def test_textcraft_rl_trains_on_depth1_and_evaluates_both_depths():
+  from agentgym_jax import settings as settings_lib  # pylint: disable=import-outside-toplevel
   from agentgym_jax.rollout import envs  # pylint: disable=import-outside-toplevel
   from experiments.smollm2 import textcraft  # pylint: disable=import-outside-toplevel
   c = textcraft.get_config("stage=rl,init=/tmp/bc")
-  train = envs.training_tasks(c)
+  train = envs.training_tasks(settings_lib.env(c))
   assert len(train) == 94 and train[0] == 31 and train[-1] == 124  # depth 1: ids 0-124
-  assert len(envs.task_splits(c)["test"]) == 72  # 31 depth-1 + 41 depth-2 test goals
+  assert len(envs.task_splits(settings_lib.env(c))["test"]) == 72  # 31 depth-1 + 41 depth-2
   with c.unlocked():
     c.data.categories = ("depth3",)
   with pytest.raises(ValueError, match="must be among config.env.categories"):
-    envs.training_tasks(c)
+    envs.training_tasks(settings_lib.env(c))
 
 
 @pytest.mark.parametrize("arg", ["stage=rl", "stage=sft", "stage=rl,init=/x,algo=dpo",

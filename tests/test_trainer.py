@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import policies
 from agentgym_jax import sharding
 from agentgym_jax.models import save_hf
@@ -237,12 +238,12 @@ def test_batch_layout_is_checked_before_anything_runs():
 def test_bpe_tokenizer_is_trained_once_and_reused_from_the_workdir(tmp_path):
   c = base.base_config()
   c.env.name, c.tokenizer.spec, c.tokenizer.bpe_tasks = "keypad", "bpe:300", 4
-  tok = policies.load_tokenizer(c, str(tmp_path))
+  tok = policies.load_tokenizer(settings_lib.policy(c), settings_lib.env(c), str(tmp_path))
   assert tok.vocab_size == 300 and (tmp_path / "tokenizer" / "tokenizer.json").exists()
   # The role names of the ChatML template got merges: the corpus carries them.
   assert len(tok.encode_text("assistant")) == 1
   c.tokenizer.bpe_tasks = 32  # a different corpus would give other merges; the cache wins
-  again = policies.load_tokenizer(c, str(tmp_path))
+  again = policies.load_tokenizer(settings_lib.policy(c), settings_lib.env(c), str(tmp_path))
   text = "user\nCode: 7.\nassistant\n7"
   assert again.encode_text(text) == tok.encode_text(text)
 
@@ -250,17 +251,19 @@ def test_bpe_tokenizer_is_trained_once_and_reused_from_the_workdir(tmp_path):
 def test_hf_source_loads_the_checkpoint_and_its_tokenizer(tmp_path):
   c = base.base_config()
   c.env.name, c.tokenizer.spec, c.tokenizer.bpe_tasks = "keypad", "bpe:300", 4
-  tok = policies.load_tokenizer(c, None)
+  env = settings_lib.env(c)
+  tok = policies.load_tokenizer(settings_lib.policy(c), env, None)
   c.model.arch.vocab_size = 0
   mesh = sharding.make_mesh(c.mesh)
   c.model.source = "random"
-  original = policies.build_policy(c, tok, mesh)
+  original = policies.build_policy(settings_lib.policy(c), tok, mesh)
   assert original.cfg.vocab_size == tok.vocab_size  # vocab_size 0 = the tokenizer's
   save_hf(original, str(tmp_path))
   tok.save_pretrained(str(tmp_path))
   c.model.source, c.model.path, c.tokenizer.spec = "hf", str(tmp_path), "model"
-  loaded = policies.build_policy(c, policies.load_tokenizer(c, None), mesh)
-  assert policies.policy_config(c, tok).num_params == original.cfg.num_params
+  hf = settings_lib.policy(c)
+  loaded = policies.build_policy(hf, policies.load_tokenizer(hf, env, None), mesh)
+  assert policies.policy_config(hf, tok).num_params == original.cfg.num_params
   for a, b in zip(jax.tree.leaves(nnx.state(original)), jax.tree.leaves(nnx.state(loaded))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   critic = sources.build_critic(loaded, seed=0, mesh=mesh)
@@ -268,7 +271,7 @@ def test_hf_source_loads_the_checkpoint_and_its_tokenizer(tmp_path):
                                 np.asarray(loaded.backbone.embed[...]))
   c.model.source, c.model.arch.vocab_size = "random", 100
   with pytest.raises(ValueError, match="smaller than the tokenizer"):
-    policies.build_policy(c, tok, mesh)
+    policies.build_policy(settings_lib.policy(c), tok, mesh)
 
 
 def test_lock_rejects_fields_the_trainer_does_not_know():

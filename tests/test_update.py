@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import multihost, policies
 from agentgym_jax import sharding
 from agentgym_jax.models import Decoder, ModelConfig, ValueModel
 from agentgym_jax.rl import algorithm
 from agentgym_jax.rl import logprobs as logprobs_lib
 from agentgym_jax.rl import losses
-from agentgym_jax.rollout import RolloutSettings
 from agentgym_jax.rollout.trajectory import bucket_length
 from agentgym_jax.tokenization import ChatTokenizer
 from agentgym_jax.train import batches, data
@@ -561,7 +561,7 @@ def _train_step(config, *, policy_scores_old):
   cfg = update_lib.UpdateConfig.from_config(config)
   if policy_scores_old:
     cfg = _off_policy_path(cfg)
-  policy = policies.build_policy(config, tok, mesh)
+  policy = policies.build_policy(settings_lib.policy(config), tok, mesh)
   state, split, opts = state_lib.create(config, policy, None,
                                         keep_reference=cfg.algo.keep_reference, mesh=mesh)
   score_logprobs, _ = update_lib.make_scorers(
@@ -577,7 +577,8 @@ def _train_step(config, *, policy_scores_old):
       config=config, update=cfg, tok=tok, pool=_ShortPool(),
       stream=data.TaskStream(range(8), config.seed), mesh=mesh,
       share=multihost.process_share(mesh), policy_def=split.policy_def,
-      rollout=RolloutSettings.from_config(config), scorers=(spy, None),
+      rollout=settings_lib.rollout(config), env=settings_lib.env(config),
+      schedule=settings_lib.schedule(config), scorers=(spy, None),
       advantages=algorithm.make_advantage_fn(cfg.algo))
   got = batches.rl_batch(inputs, state, 0, 0, max_turns=2, saving=False)
   scored_by_the_step = list(scored)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from agentgym_jax import settings as settings_lib
 from agentgym_jax.models import Decoder, ModelConfig
 from agentgym_jax.rl import advantages
 from agentgym_jax.rl import logprobs as logprobs_lib
-from agentgym_jax.rl.algorithm import AlgorithmSpec
 from agentgym_jax.rollout import RolloutSettings, SamplingConfig, run_episodes, window
 from agentgym_jax.rollout import batch as batch_lib
 from agentgym_jax.rollout import episodes as episodes_lib
@@ -203,7 +203,7 @@ def _layout_loss(model, moved, traj, rows, loss_agg_mode):
   c = base.base_config()
   c.algo.loss_agg_mode = loss_agg_mode
   c.algo.kl_coef = 0.0  # no reference policy here; the entropy term stays in the loss
-  cfg = update_lib.UpdateConfig(algo=AlgorithmSpec.from_config(c), epochs=1, minibatches=1,
+  cfg = update_lib.UpdateConfig(algo=settings_lib.algorithm(c), epochs=1, minibatches=1,
                                 microbatches=1, temperature=1.0)
   micro = update_lib.build_batch(
       cfg.algo, tokens=trained.tokens, valid=trained.valid, loss_mask=trained.loss_mask,

@@ -1,8 +1,9 @@
 """Evaluation: Avg@n / Pass@n of a policy on an environment's task split, per category, in
 tables shaped like the paper's.
 
-    settings = EvalSettings.from_config(config)  # config.eval; any field replaceable
-    result = evaluate(config, settings, graphdef, state, tok, pool, rng=eval_key(config.seed))
+    env = agentgym_jax.settings.env(config)
+    settings = agentgym_jax.settings.evaluation(config)  # config.eval; any field replaceable
+    result = evaluate(env, settings, graphdef, state, tok, pool, rng=eval_key(config.seed))
     json_path, md_path = write_report(result, output_dir, label, settings.split)
 
 The trainer's in-loop evaluation and the command line (`python -m agentgym_jax.evaluate`, in

@@ -35,9 +35,9 @@ from agentgym_jax import cli
 from agentgym_jax import freed_memory
 from agentgym_jax import multihost
 from agentgym_jax import policies
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import sharding
-from agentgym_jax.evaluate import (EvalSettings, checkpoint_label, eval_key, evaluate,
-                                   result_line, write_report)
+from agentgym_jax.evaluate import checkpoint_label, eval_key, evaluate, result_line, write_report
 from agentgym_jax.models import load_hf
 from agentgym_jax.rollout import envs
 from agentgym_jax.tokenization import ChatTokenizer
@@ -59,19 +59,21 @@ def check_policy_flags(checkpoint: str | None, hf_model: str | None) -> None:
               "(config.json, *.safetensors and the tokenizer files).")
 
 
-def _load_policy(config, checkpoint: str | None, hf_model: str | None, step: int | None, mesh):
+def _load_policy(policy: policies.PolicySettings, env: envs.EnvSettings, checkpoint: str | None,
+                 hf_model: str | None, step: int | None, mesh):
   """(graphdef, state, tokenizer, label) from a training workdir, an HF directory or, given
   neither, the config's own model source (`check_policy_flags` passed)."""
   if not checkpoint and not hf_model:
-    tok = policies.load_tokenizer(config, None)
-    graphdef, state = nnx.split(policies.build_policy(config, tok, mesh))
-    label = os.path.basename(config.model.path.rstrip("/")) or config.model.source
+    tok = policies.load_tokenizer(policy, env, None)
+    graphdef, state = nnx.split(policies.build_policy(policy, tok, mesh))
+    label = os.path.basename(policy.path.rstrip("/")) or policy.source
     return graphdef, state, tok, label
   if checkpoint:
-    graphdef, params, tok, step = policies.load_policy(config, checkpoint, step)
+    graphdef, params, tok, step = policies.load_policy(policy, env, checkpoint, mesh=mesh,
+                                                       step=step)
     return graphdef, params, tok, checkpoint_label(checkpoint, step)
   tok = ChatTokenizer.from_pretrained(hf_model)
-  _, model = load_hf(hf_model, mesh=mesh, dtype=jnp.dtype(config.model.dtype))
+  _, model = load_hf(hf_model, mesh=mesh, dtype=jnp.dtype(policy.dtype))
   graphdef, state = nnx.split(model)
   return graphdef, state, tok, os.path.basename(hf_model.rstrip("/"))
 
@@ -80,29 +82,31 @@ def main(argv: Sequence[str]) -> None:
   """Evaluates per the flags below; only process 0 writes files."""
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {list(argv[1:])}")
+  # The config, read here once: every part below takes its typed settings.
   config = cli.config_from_flag()
-  cli.check_env(config)
+  env = settings_lib.checked_env(config)
   check_policy_flags(_FLAGS["checkpoint"].value, _FLAGS["hf_model"].value)
   freed_memory.return_freed_memory()
-  cli.use_compilation_cache(config)
+  cli.use_compilation_cache(config.compile.cache_dir)
   multihost.maybe_initialize_distributed()
   output = _FLAGS["output"].value
   writer = jax.process_index() == 0
   if writer:
     os.makedirs(output, exist_ok=True)
   cli.log_to(os.path.join(output, LOG_FILE) if writer else None)
-  config = multihost.process_config(config)
+  env = multihost.process_env(env)
   mesh = sharding.make_mesh(config.mesh)
   graphdef, state, tok, label = _load_policy(
-      config, _FLAGS["checkpoint"].value, _FLAGS["hf_model"].value, _FLAGS["step"].value, mesh)
+      settings_lib.policy(config), env, _FLAGS["checkpoint"].value, _FLAGS["hf_model"].value,
+      _FLAGS["step"].value, mesh)
   label = _FLAGS["label"].value or label
-  settings = EvalSettings.from_config(
+  settings = settings_lib.evaluation(
       config, **{name: _FLAGS[name].value for name in (
           "split", "num_tasks", "num_samples", "max_turns", "temperature", "max_reply_tokens",
           "pass_criterion")}, ks=tuple(int(k) for k in _FLAGS["pass_k"].value))
-  with envs.make_pool(config) as pool:
+  with envs.make_pool(env) as pool:
     result = evaluate(
-        config, settings, graphdef, state, tok, pool, rng=eval_key(config.seed), mesh=mesh,
+        env, settings, graphdef, state, tok, pool, rng=eval_key(config.seed), mesh=mesh,
         episodes_path=os.path.join(output, f"episodes_{settings.split}.jsonl") if writer else None,
         progress_bar=writer)
   if writer:

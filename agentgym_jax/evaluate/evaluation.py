@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 import tqdm
@@ -25,37 +24,10 @@ import tqdm
 from agentgym_jax import multihost
 from agentgym_jax.evaluate import eval_metrics
 from agentgym_jax.evaluate.columns import PAPER_COLUMNS, paper_column
-from agentgym_jax.rollout import RolloutSettings, SamplingConfig, envs, run_episodes, save_jsonl
+from agentgym_jax.rollout import SamplingConfig, envs, run_episodes, save_jsonl
 from agentgym_jax.rollout.trajectory import build_trajectory
+from agentgym_jax.settings import EvalSettings
 from agentgym_jax.tokenization import ChatTokenizer
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSettings:
-  """What an evaluation runs: `config.eval`'s defaults, each replaceable by a CLI flag."""
-
-  split: str
-  num_tasks: int  # the split's first N tasks; 0 = all
-  num_samples: int  # n, episodes per task
-  max_turns: int
-  temperature: float  # 0 = greedy
-  max_reply_tokens: int
-  pass_criterion: str = "score>0"  # or "success"
-  ks: tuple[int, ...] = (1,)  # Pass@k estimates to add (k > n are skipped)
-
-  @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict, **overrides: Any) -> "EvalSettings":
-    """The config's settings, with the `overrides` that are not None (the CLI's flags).
-
-    The turn limit defaults to the schedule's longest horizon: the turn budget the trained
-    agent is meant for.
-    """
-    settings = cls(split=config.eval.split, num_tasks=config.eval.num_tasks,
-                   num_samples=config.eval.group_size, max_turns=max(config.schedule.horizons),
-                   temperature=config.eval.temperature,
-                   max_reply_tokens=config.rollout.max_reply_tokens)
-    return dataclasses.replace(settings,
-                               **{k: v for k, v in overrides.items() if v is not None})
 
 
 def eval_key(seed: int) -> jax.Array:
@@ -92,7 +64,7 @@ class EvalResult:
     return float(self.success[~self.failed].mean()) if not self.failed.all() else None
 
 
-def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef: nnx.GraphDef,
+def evaluate(env: envs.EnvSettings, settings: EvalSettings, graphdef: nnx.GraphDef,
              state: nnx.State, tok: ChatTokenizer, pool: Any, *, rng: jax.Array,
              mesh: jax.sharding.Mesh | None = None, episodes_path: str | None = None,
              progress_bar: bool = False) -> EvalResult:
@@ -104,11 +76,11 @@ def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef
   tasks at a time as fill the rows of one training step, which are known to fit in memory.
 
   Args:
-    config: the run's config (environment, rollout limits, data layout).
-    settings: see `EvalSettings`.
+    env: the run's environments (`settings.env`).
+    settings: see `EvalSettings` (`settings.evaluation`).
     graphdef, state: `nnx.split(policy)`.
     tok: the policy's chat tokenizer.
-    pool: an `environments.workers.EnvPool` from `envs.make_pool(config)` (or anything with
+    pool: an `environments.workers.EnvPool` from `envs.make_pool(env)` (or anything with
       its reset/step interface).
     rng: the sampling key (`eval_key`); chunk c uses fold_in(rng, c).
     mesh: shard rollout rows over its data axes. On a mesh over several processes every
@@ -120,21 +92,22 @@ def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef
   Raises:
     ValueError: an unknown split, or no task to evaluate.
   """
-  task_ids = envs.evaluation_tasks(config, settings.split, settings.num_tasks)
+  task_ids = envs.evaluation_tasks(env, settings.split, settings.num_tasks)
   if not task_ids:
     raise ValueError("No tasks to evaluate: the split is empty or --num_tasks is 0.")
-  env_name = envs.served_name(config)
+  env_name = envs.served_name(env)
   n = settings.num_samples
   # The training rollouts' settings but for what evaluation sets itself; an invalid action
   # costs nothing here (the reward is reported, never trained on).
+  trained = settings.rollout
   rollout = dataclasses.replace(
-      RolloutSettings.from_config(config),
-      sampling=SamplingConfig(temperature=settings.temperature, top_p=config.rollout.top_p,
-                              top_k=config.rollout.top_k,
+      trained,
+      sampling=SamplingConfig(temperature=settings.temperature, top_p=trained.sampling.top_p,
+                              top_k=trained.sampling.top_k,
                               max_reply_tokens=settings.max_reply_tokens),
       group_size=n, max_turns=settings.max_turns, invalid_action_reward=0.0)
   start_time = time.perf_counter()
-  chunk = max(1, config.data.batch_tasks * config.data.group_size // n)
+  chunk = max(1, settings.rows // n)
   # On several hosts each process runs an even share of every chunk's episodes on its own
   # devices (keys and group ids of the whole chunk, so the samples are those of one process).
   share = multihost.process_share(mesh)
@@ -176,9 +149,9 @@ def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef
   passed = eval_metrics.passed_from(scores, success, settings.pass_criterion)
   rewards = np.array([e.reward for e in episodes], np.float64)
   failed = np.array([e.failed for e in episodes], bool)
-  if envs.is_mixture(config):  # one column per environment
-    columns = {t: envs.environment_of(config, t) for t in categories}
-    order = list(config.env.mix)
+  if env.is_mixture:  # one column per environment
+    columns = {t: envs.environment_of(env, t) for t in categories}
+    order = [m.label for m in env.mix]
   else:
     columns = {t: paper_column(env_name, cat) for t, cat in categories.items()}
     order = [column for column, _ in PAPER_COLUMNS.get(env_name, ())]
@@ -192,9 +165,9 @@ def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef
       "env": env_name, "num_tasks": len(task_ids), "num_samples": n,
       "max_turns": settings.max_turns, "max_reply_tokens": settings.max_reply_tokens,
       "temperature": settings.temperature, "top_p": rollout.sampling.top_p,
-      "top_k": rollout.sampling.top_k, "max_context": config.rollout.max_context,
-      "history_turns": config.rollout.history_turns, "pass_criterion": settings.pass_criterion,
-      "seed": config.seed}
+      "top_k": rollout.sampling.top_k, "max_context": rollout.max_context,
+      "history_turns": rollout.history_turns, "pass_criterion": settings.pass_criterion,
+      "seed": settings.seed}
   return EvalResult(summary=summary, settings=report_settings, task_ids=ids, rewards=rewards,
                     scores=scores, success=success, passed=passed,
                     num_turns=np.array([e.num_turns for e in episodes], np.int32),
@@ -202,16 +175,15 @@ def evaluate(config: ml_collections.ConfigDict, settings: EvalSettings, graphdef
                     categories=categories, seconds=time.perf_counter() - start_time)
 
 
-def environment_metrics(config: ml_collections.ConfigDict, result: EvalResult
-                        ) -> dict[str, float]:
+def environment_metrics(env: envs.EnvSettings, result: EvalResult) -> dict[str, float]:
   """A mixture's held-out results per environment: <environment>/success_rate (per healthy
   episode) and <environment>/avg and /pass (its summary column); empty outside a mixture. An
   environment whose episodes all failed measured nothing and is left out."""
-  if not envs.is_mixture(config):
+  if not env.is_mixture:
     return {}
-  labels = np.asarray([envs.environment_of(config, t) for t in result.task_ids])
+  labels = np.asarray([envs.environment_of(env, t) for t in result.task_ids])
   out = {}
-  for label in config.env.mix:
+  for label in [m.label for m in env.mix]:
     healthy = (labels == label) & ~result.failed
     if not healthy.any():
       continue

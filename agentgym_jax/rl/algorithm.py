@@ -3,9 +3,10 @@
 Every other module reads the algorithm from an `AlgorithmSpec` instead of from the config, so
 each derived choice (which estimator, whether a critic and a reference model are kept, where
 the KL penalty goes, which policy loss, whether the old log-probs are scored before the update
-or taken from its own forward) is made, and validated, in `AlgorithmSpec.from_config` alone:
+or taken from its own forward) is made, and validated, in one place, the config's door
+(agentgym_jax/settings.py:algorithm):
 
-  spec = AlgorithmSpec.from_config(config)
+  spec = agentgym_jax.settings.algorithm(config)
   advantages_fn = make_advantage_fn(spec)   # jitted; None for behaviour cloning
 
 `ALGORITHMS` names the algorithms the experiments run, the paper's four (`PAPER_ALGORITHMS`)
@@ -24,11 +25,9 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from agentgym_jax.rl import advantages as advantages_lib
 from agentgym_jax.rl import losses
-from agentgym_jax.rl import overlong as overlong_lib
 
 # The experiments' algorithm names (their `algo=` config argument) -> advantage estimator.
 ALGORITHMS = {"grpo": "grpo", "ppo": "gae", "reinforce_pp": "reinforce_plus_plus", "rloo": "rloo",
@@ -102,60 +101,6 @@ class AlgorithmSpec:
   @property
   def uses_turns(self) -> bool:
     return bool(self.estimator) and advantages_lib.ESTIMATORS.traits(self.estimator)["uses_turns"]
-
-  @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict) -> "AlgorithmSpec":
-    """The spec of `config.mode` and `config.algo`.
-
-    Raises:
-      ValueError: an unknown mode, estimator, KL estimator or aggregation mode, an estimator
-        option the estimator does not take (or a value outside its choices), or a dual clip
-        constant in (0, 1] (each message names the field and the allowed values).
-    """
-    algo = config.algo
-    if config.mode not in MODES:
-      raise ValueError(f"mode must be one of {MODES}, got {config.mode!r}.")
-    for field, allowed in (("estimator", advantages_lib.ESTIMATORS),
-                           ("loss_agg_mode", losses.LOSS_AGG_MODES),
-                           ("kl_estimator", losses.KL_ESTIMATORS)):
-      if algo[field] not in allowed:
-        raise ValueError(f"algo.{field} {algo[field]!r} is not one of {sorted(allowed)}.")
-    options = estimator_options(algo.estimator, algo.estimator_kwargs)
-    if algo.estimator == "turn_gae" and algo.kl_coef > 0 and algo.kl_in_reward:
-      raise ValueError("algo.estimator='turn_gae' reads the environment's step rewards only: "
-                       "set algo.kl_in_reward=False (the KL penalty then goes in the loss).")
-    if algo.clip_dual and algo.clip_dual <= 1.0:
-      raise ValueError(f"algo.clip_dual must be > 1 (or 0 to disable), got {algo.clip_dual}.")
-    if algo.tis_cap < 0:
-      raise ValueError(f"algo.tis_cap must be > 0 (or 0 to disable), got {algo.tis_cap}.")
-    if algo.overlong not in overlong_lib.OVERLONG_MODES:
-      raise ValueError(f"algo.overlong {algo.overlong!r} is not one of "
-                       f"{list(overlong_lib.OVERLONG_MODES)}.")
-    if algo.overlong == "penalty" and algo.overlong_penalty <= 0:
-      raise ValueError("algo.overlong='penalty' needs algo.overlong_penalty > 0 (subtracted "
-                       f"from the outcome reward), got {algo.overlong_penalty}.")
-    if algo.dynamic_sampling_max_rounds < 0:
-      raise ValueError("algo.dynamic_sampling_max_rounds must be >= 0 (extra rollout rounds "
-                       f"per step), got {algo.dynamic_sampling_max_rounds}.")
-    rl = config.mode == "rl"
-    estimator = algo.estimator
-    kl = rl and algo.kl_coef > 0
-    return cls(
-        estimator=estimator if rl else "",
-        use_critic=rl and advantages_lib.ESTIMATORS.traits(estimator)["uses_critic"],
-        keep_reference=kl, kl_in_loss=kl and not algo.kl_in_reward,
-        kl_in_reward=kl and algo.kl_in_reward, kl_coef=algo.kl_coef,
-        kl_estimator=algo.kl_estimator, whiten=algo.whiten, gamma=algo.gamma, lam=algo.lam,
-        policy_loss="ppo_clip" if rl else "cross_entropy", loss_agg_mode=algo.loss_agg_mode,
-        clip_low=algo.clip_low, clip_high=algo.clip_high, clip_dual=algo.clip_dual,
-        entropy_coef=algo.entropy_coef, value_coef=algo.value_coef, value_clip=algo.value_clip,
-        estimator_options=options if rl else (), tis_cap=algo.tis_cap if rl else 0.0,
-        overlong=algo.overlong if rl else "none",
-        overlong_penalty=algo.overlong_penalty if rl and algo.overlong == "penalty" else 0.0,
-        dynamic_sampling=rl and algo.dynamic_sampling,
-        dynamic_sampling_max_rounds=algo.dynamic_sampling_max_rounds if rl else 0,
-        old_logprobs_from_update=(rl and algo.epochs == 1 and algo.minibatches == 1
-                                  and not (kl and algo.kl_in_reward)))
 
 
 def estimator_options(estimator: str, kwargs: Any) -> tuple[tuple[str, Any], ...]:

@@ -1,6 +1,7 @@
 """Turn-limit (horizon) schedules: how many agent turns an episode may take at a training step.
 
-Config data (`config.schedule`, a ConfigDict, a dict or any object with these attributes):
+A `Schedule` (`config.schedule`, typed once by agentgym_jax/settings.py:schedule; it checks
+itself when made):
 
   kind = "fixed"           horizons = [H]              every step allows H turns
   kind = "scaling_inter"   horizons = [h1 < h2 < ...]  ScalingInter-RL (AgentGym-RL, arXiv
@@ -20,10 +21,10 @@ learned what the short one teaches, instead of at a step fixed in advance.
 
 `step` is the 0-based global training step about to run, i.e. the number of updates already
 done, which is what a checkpoint stores. Upstream counts steps from 1 (steps 1..Δ use h1); ours
-0..Δ-1 use h1, the same steps. Under "steps" the horizon is a pure function of (config, step):
+0..Δ-1 use h1, the same steps. Under "steps" the horizon is a pure function of (schedule, step):
 restoring step s from a checkpoint gives exactly the horizons of an uninterrupted run. Upstream
 keeps a counter that advances one step early at the next boundary after a resume; nothing here
-can drift. Under an evidence rule it is a pure function of (config, step, progress), where
+can drift. Under an evidence rule it is a pure function of (schedule, step, progress), where
 `Progress` is what the rule has seen so far, folded step by step with `advance`; the trainer
 saves it in each checkpoint's meta (`Progress.to_meta`, exact as JSON), so a resumed run
 continues the fold where the checkpoint left it.
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -81,14 +82,60 @@ def on_plateau(recent: tuple[float, ...], *, window: int, success_threshold: flo
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """A checked schedule config (`validate`)."""
+  """A turn-limit schedule, checked when made (`config.schedule`'s fields, train/config.py).
+
+  steps_per_phase, advance, window, success_threshold and min_gain are read by
+  "scaling_inter" only (and checked only there).
+
+  Raises:
+    ValueError: unknown kind; horizons empty, not integers, not positive, not strictly
+      increasing, or (fixed) more than one; steps_per_phase not a positive integer
+      (scaling_inter); an unknown advance rule, a window that is not a positive integer, a
+      success_threshold outside [0, 1] (scaling_inter).
+  """
   kind: str
-  horizons: tuple[int, ...]
-  steps_per_phase: int | None  # None for "fixed"
+  horizons: Sequence[int]
+  steps_per_phase: int | None = None
   advance: str = "steps"
   window: int = 1
   success_threshold: float = 1.0
   min_gain: float = 0.0
+
+  def __post_init__(self):
+    kind, raw = self.kind, self.horizons
+    if kind not in KINDS:
+      raise ValueError(f"schedule.kind must be one of {KINDS}, got {kind!r}")
+    if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
+      raise ValueError(f"schedule.horizons must be a list of turn limits, e.g. [10, 20, 30]; "
+                       f"got {raw!r}")
+    horizons = tuple(raw)
+    if not horizons:
+      raise ValueError("schedule.horizons is empty; give at least one turn limit, e.g. [20]")
+    if not all(_is_int(h) for h in horizons):
+      raise ValueError(f"schedule.horizons must be integers, got {list(horizons)}")
+    if min(horizons) <= 0:
+      raise ValueError(f"schedule.horizons must be positive turn counts, got {list(horizons)}")
+    object.__setattr__(self, "horizons", tuple(int(h) for h in horizons))
+    if kind == "fixed":
+      if len(horizons) != 1:
+        raise ValueError(f"schedule.kind='fixed' takes exactly one horizon, got "
+                         f"{list(horizons)}; use kind='scaling_inter' for a list")
+      return
+    if any(b <= a for a, b in zip(horizons, horizons[1:])):
+      raise ValueError(f"schedule.horizons must be strictly increasing for 'scaling_inter' "
+                       f"(h1 < h2 < ...), got {list(horizons)}")
+    if not _is_int(self.steps_per_phase) or self.steps_per_phase <= 0:
+      raise ValueError(f"schedule.steps_per_phase must be a positive integer for "
+                       f"'scaling_inter', got {self.steps_per_phase!r}")
+    if self.advance not in ADVANCE_RULES:
+      raise ValueError(f"schedule.advance must be one of {sorted(ADVANCE_RULES)}, got "
+                       f"{self.advance!r}")
+    if not _is_int(self.window) or self.window <= 0:
+      raise ValueError(f"schedule.window must be a positive number of steps, got "
+                       f"{self.window!r}")
+    if not 0.0 <= float(self.success_threshold) <= 1.0:
+      raise ValueError(f"schedule.success_threshold is a success rate in [0, 1], got "
+                       f"{self.success_threshold}")
 
   @property
   def reads_success(self) -> bool:
@@ -118,62 +165,8 @@ class Progress:
                recent=tuple(float(x) for x in meta["recent"]))
 
 
-def _field(config: Any, name: str, default: Any = None) -> Any:
-  if isinstance(config, Mapping):
-    return config.get(name, default)
-  return getattr(config, name, default)
-
-
 def _is_int(x: Any) -> bool:
   return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def validate(config: Any) -> Schedule:
-  """Checks a schedule config and returns it as a `Schedule`.
-
-  Raises:
-    ValueError: unknown kind; horizons empty, not integers, not positive, not strictly
-      increasing, or (fixed) more than one; steps_per_phase missing or not a positive integer
-      (scaling_inter); an unknown advance rule, a window that is not a positive integer, a
-      success_threshold outside [0, 1] (scaling_inter).
-  """
-  kind = _field(config, "kind")
-  if kind not in KINDS:
-    raise ValueError(f"schedule.kind must be one of {KINDS}, got {kind!r}")
-  raw = _field(config, "horizons")
-  if isinstance(raw, (str, bytes)) or not hasattr(raw, "__iter__"):
-    raise ValueError(f"schedule.horizons must be a list of turn limits, e.g. [10, 20, 30]; got "
-                     f"{raw!r}")
-  horizons = tuple(raw)
-  if not horizons:
-    raise ValueError("schedule.horizons is empty; give at least one turn limit, e.g. [20]")
-  if not all(_is_int(h) for h in horizons):
-    raise ValueError(f"schedule.horizons must be integers, got {list(horizons)}")
-  if min(horizons) <= 0:
-    raise ValueError(f"schedule.horizons must be positive turn counts, got {list(horizons)}")
-  if kind == "fixed":
-    if len(horizons) != 1:
-      raise ValueError(f"schedule.kind='fixed' takes exactly one horizon, got {list(horizons)}; "
-                       "use kind='scaling_inter' for a list")
-    return Schedule(kind, (int(horizons[0]),), None)
-  if any(b <= a for a, b in zip(horizons, horizons[1:])):
-    raise ValueError(f"schedule.horizons must be strictly increasing for 'scaling_inter' "
-                     f"(h1 < h2 < ...), got {list(horizons)}")
-  steps_per_phase = _field(config, "steps_per_phase")
-  if not _is_int(steps_per_phase) or steps_per_phase <= 0:
-    raise ValueError(f"schedule.steps_per_phase must be a positive integer for 'scaling_inter', "
-                     f"got {steps_per_phase!r}")
-  advance = _field(config, "advance", "steps")
-  if advance not in ADVANCE_RULES:
-    raise ValueError(f"schedule.advance must be one of {sorted(ADVANCE_RULES)}, got {advance!r}")
-  window = _field(config, "window", 1)
-  if not _is_int(window) or window <= 0:
-    raise ValueError(f"schedule.window must be a positive number of steps, got {window!r}")
-  threshold = float(_field(config, "success_threshold", 1.0))
-  if not 0.0 <= threshold <= 1.0:
-    raise ValueError(f"schedule.success_threshold is a success rate in [0, 1], got {threshold}")
-  return Schedule(kind, tuple(int(h) for h in horizons), int(steps_per_phase), advance,
-                  int(window), threshold, float(_field(config, "min_gain", 0.0)))
 
 
 def _check_step(step: Any) -> int:
@@ -182,39 +175,38 @@ def _check_step(step: Any) -> int:
   return int(step)
 
 
-def phase(config: Any, step: int, progress: Progress | None = None) -> int:
+def phase(schedule: Schedule, step: int, progress: Progress | None = None) -> int:
   """0-based schedule phase at `step`: 0 for `fixed`, min(step // Δ, n - 1) for `scaling_inter`
   advancing on steps, `progress.phase` for an evidence rule.
 
   Raises:
     ValueError: an evidence rule without `progress` past step 0 (nothing to decide from).
   """
-  checked = validate(config)
   step = _check_step(step)
-  if checked.kind == "fixed":
+  if schedule.kind == "fixed":
     return 0
-  if not checked.reads_success:
-    return min(step // checked.steps_per_phase, len(checked.horizons) - 1)
+  if not schedule.reads_success:
+    return min(step // schedule.steps_per_phase, len(schedule.horizons) - 1)
   if progress is None:
     if step == 0:
       return 0
-    raise ValueError(f"schedule.advance={checked.advance!r} decides step {step}'s turn limit "
+    raise ValueError(f"schedule.advance={schedule.advance!r} decides step {step}'s turn limit "
                      "from the training success of the steps before it: pass the run's "
                      "Progress (asynchronous rollout, which samples ahead, cannot use it).")
   return progress.phase
 
 
-def max_turns(config: Any, step: int, progress: Progress | None = None) -> int:
+def max_turns(schedule: Schedule, step: int, progress: Progress | None = None) -> int:
   """Turn limit for the episodes collected at `step` (0-based global training step)."""
-  return validate(config).horizons[phase(config, step, progress)]
+  return schedule.horizons[phase(schedule, step, progress)]
 
 
-def phase_of(config: Any, turns: int) -> int:
+def phase_of(schedule: Schedule, turns: int) -> int:
   """The phase whose turn limit is `turns` (the horizons are strictly increasing)."""
-  return validate(config).horizons.index(turns)
+  return schedule.horizons.index(turns)
 
 
-def advance(config: Any, progress: Progress, step: int, metrics: Mapping[str, Any]
+def advance(schedule: Schedule, progress: Progress, step: int, metrics: Mapping[str, Any]
             ) -> Progress:
   """`progress` after step `step` ran with `metrics` (its training metrics): the phase ends
   when its rule says so or after steps_per_phase steps. Unchanged for "fixed" and in the last
@@ -225,24 +217,23 @@ def advance(config: Any, progress: Progress, step: int, metrics: Mapping[str, An
     ValueError: an evidence rule, and `metrics` without the training success (behaviour
       cloning has none).
   """
-  checked = validate(config)
   step = _check_step(step)
-  if checked.kind == "fixed" or progress.phase == len(checked.horizons) - 1:
+  if schedule.kind == "fixed" or progress.phase == len(schedule.horizons) - 1:
     return progress
   recent = ()
-  if checked.reads_success:
+  if schedule.reads_success:
     if SUCCESS_METRIC not in metrics:
-      raise ValueError(f"schedule.advance={checked.advance!r} reads the training success "
+      raise ValueError(f"schedule.advance={schedule.advance!r} reads the training success "
                        f"({SUCCESS_METRIC}), which step {step}'s metrics lack (behaviour "
                        "cloning rolls out nothing): use schedule.advance='steps'.")
-    recent = (*progress.recent, float(metrics[SUCCESS_METRIC]))[-2 * checked.window:]
-  rule = ADVANCE_RULES[checked.advance]
-  ends = rule(recent, window=checked.window, success_threshold=checked.success_threshold,
-              min_gain=checked.min_gain)
-  if ends or step + 1 - progress.since >= checked.steps_per_phase:
+    recent = (*progress.recent, float(metrics[SUCCESS_METRIC]))[-2 * schedule.window:]
+  rule = ADVANCE_RULES[schedule.advance]
+  ends = rule(recent, window=schedule.window, success_threshold=schedule.success_threshold,
+              min_gain=schedule.min_gain)
+  if ends or step + 1 - progress.since >= schedule.steps_per_phase:
     return Progress(phase=progress.phase + 1, since=step + 1)
   return Progress(phase=progress.phase, since=progress.since, recent=recent)
 
 
-# The name used in the team contract (`schedule.horizon(config.schedule, step)`).
+# The name used in the team contract (`schedule.horizon(schedule, step)`).
 horizon = max_turns

@@ -1,7 +1,7 @@
 """Rollout: jitted sampler, multi-turn episode runner, Trajectory batch, and `envs`, the one
-module that meets the environments (pools, task splits, expert play, all from `config.env`).
+module that meets the environments (pools, task splits, expert play, all from `EnvSettings`).
 
-    settings = RolloutSettings.from_config(config)   # or RolloutSettings(group_size=n, ...)
+    settings = agentgym_jax.settings.rollout(config)   # or RolloutSettings(group_size=n, ...)
     traj, stats = run_episodes((graphdef, state), tok, pool, task_ids, settings, rng=key)
 """
 

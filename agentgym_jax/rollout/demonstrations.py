@@ -27,11 +27,10 @@ import json
 import logging
 import os
 import random
+import dataclasses
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
-
-import ml_collections
 
 from agentgym_jax.rollout import envs
 from agentgym_jax.rollout.envs import DEFAULT_ACKNOWLEDGEMENT
@@ -182,19 +181,31 @@ def load_or_build(path: str, settings: dict[str, Any], build: Callable[[], list[
   return episodes
 
 
-def expert_episodes(config: ml_collections.ConfigDict, tok: ChatTokenizer,
-                    task_ids: Sequence[int]) -> list[Episode]:
-  """The expert's episode of each of `task_ids` (`play_expert`), with the runner's limits
-  (the schedule's longest horizon, `rollout.max_context` and `rollout.max_reply_tokens`) and
-  `config.bc`'s noise, played in this process on `envs.make_env`'s environment."""
-  env = envs.make_env(config)
+@dataclasses.dataclass(frozen=True)
+class ExpertSettings:
+  """How the expert plays a run's demonstrations: the runner's limits (the schedule's longest
+  horizon, `rollout.max_context` and `rollout.max_reply_tokens`), `config.bc`'s noise and the
+  run's seed (each task's noise draws from "<seed>-<task id>")."""
+
+  max_turns: int
+  max_context: int
+  max_reply_tokens: int
+  noise: float = 0.0
+  drop_thought: float = 0.0
+  seed: int = 0
+
+
+def expert_episodes(env: envs.EnvSettings, tok: ChatTokenizer, task_ids: Sequence[int],
+                    settings: ExpertSettings) -> list[Episode]:
+  """The expert's episode of each of `task_ids` (`play_expert`) with `settings`, played in
+  this process on `envs.make_env`'s environment, with `env.system_prompt`."""
+  played = envs.make_env(env)
   try:
     return [play_expert(
-        env, tok, task_id, max_turns=max(config.schedule.horizons),
-        max_context=config.rollout.max_context,
-        max_reply_tokens=config.rollout.max_reply_tokens,
-        rng=random.Random(f"{config.seed}-{task_id}"), noise=config.bc.noise,
-        drop_thought=config.bc.drop_thought,
-        system_prompt=config.env.system_prompt or None)[0] for task_id in task_ids]
+        played, tok, task_id, max_turns=settings.max_turns, max_context=settings.max_context,
+        max_reply_tokens=settings.max_reply_tokens,
+        rng=random.Random(f"{settings.seed}-{task_id}"), noise=settings.noise,
+        drop_thought=settings.drop_thought,
+        system_prompt=env.system_prompt or None)[0] for task_id in task_ids]
   finally:
-    env.close()
+    played.close()

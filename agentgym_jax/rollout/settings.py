@@ -1,8 +1,8 @@
 """How episodes are rolled out, as one object: `RolloutSettings`, built once from the config.
 
 Training, evaluation and replay all sample through `run_episodes(policy, tok, pool, task_ids,
-settings, rng=...)`; each builds its settings with `RolloutSettings.from_config(config)` and
-changes what differs for it with `dataclasses.replace` (the trainer: the turn limit of the
+settings, rng=...)`; each gets its settings from the config's one door
+(agentgym_jax/settings.py:rollout) and changes what differs for it with `dataclasses.replace` (the trainer: the turn limit of the
 step's ScalingInter phase; evaluation: its temperature, reply cap, samples per task and turn
 limit), so a replay samples exactly as the run did and an evaluation as the run's rollouts do
 in everything it does not set itself.
@@ -11,9 +11,7 @@ in everything it does not set itself.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from agentgym_jax.rl import schedule
 from agentgym_jax.rollout.sampler import SamplingConfig
 
 
@@ -66,18 +64,3 @@ class RolloutSettings:
     if self.history_turns < 0:
       raise ValueError(f"history_turns must be >= 0 (0 keeps every turn), got "
                        f"{self.history_turns}.")
-
-  @classmethod
-  def from_config(cls, config: Any) -> "RolloutSettings":
-    """The training rollouts' settings: `config.rollout`, `data.group_size`, the system prompt
-    and invalid-action reward of `config.env`, and the turn limit of the schedule's first
-    phase (the trainer replaces it with each step's)."""
-    rollout = config.rollout
-    return cls(
-        sampling=SamplingConfig(temperature=rollout.temperature, top_p=rollout.top_p,
-                                top_k=rollout.top_k, max_reply_tokens=rollout.max_reply_tokens),
-        group_size=config.data.group_size, max_turns=schedule.max_turns(config.schedule, 0),
-        max_context=rollout.max_context, system_prompt=config.env.system_prompt or None,
-        replicas=rollout.replicas, history_turns=rollout.history_turns,
-        overlap_env=rollout.overlap_env,
-        invalid_action_reward=config.env.invalid_action_reward)

@@ -29,6 +29,7 @@ from agentgym_jax import cli
 from agentgym_jax import freed_memory
 from agentgym_jax import multihost
 from agentgym_jax import policies
+from agentgym_jax import settings
 
 cli.define_config_flag(f"Experiment config file[:arg], e.g. {cli.EXAMPLE_CONFIG}.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, exports.")
@@ -41,8 +42,8 @@ def check_run(config: ml_collections.ConfigDict, workdir: str) -> None:
   if os.path.exists(workdir) and not os.path.isdir(workdir):
     cli.fatal(f"--workdir={workdir} is a file; pass a directory (a new one, or a run's workdir "
               "to resume it).")
-  cli.check_env(config)
-  cli.check_algorithm(config)
+  settings.checked_env(config)
+  settings.checked_algorithm(config)
 
 
 def log_to_workdir(workdir: str) -> str:
@@ -60,7 +61,7 @@ def main(argv: list[str]) -> None:
   config, workdir = cli.config_from_flag(), _WORKDIR.value
   check_run(config, workdir)
   freed_memory.return_freed_memory()
-  cli.use_compilation_cache(config)
+  cli.use_compilation_cache(config.compile.cache_dir)
   # A preempted job gets SIGTERM: the trainer then saves at the next step boundary and returns
   # (exit 0). Before the distributed runtime, whose preemption service takes SIGTERM over.
   multihost.watch_sigterm()

@@ -272,7 +272,7 @@ class AsyncRollout:
     self.board = WeightBoard(rollout_mesh)
     self.publish(state)
     rng = np.asarray(jax.device_get(state.rng))  # the state's buffers are donated
-    self.pool = envs.make_pool(config)  # last: nothing after it can fail and leave it open
+    self.pool = envs.make_pool(inputs.env)  # last: nothing after it can fail and leave it open
     rollout_inputs = dataclasses.replace(inputs, mesh=rollout_mesh, pool=self.pool,
                                          share=multihost.process_share(rollout_mesh))
     cursors = [cursor]  # the task stream's position, advanced by the thread only
@@ -280,7 +280,7 @@ class AsyncRollout:
     def sample(step: int, params: Any, version: int) -> batches.Sampled:
       sampled = batches.sample_step(rollout_inputs, params, rng=rng, step=step,
                                     cursor=cursors[0], version=version,
-                                    max_turns=schedule.max_turns(config.schedule, step),
+                                    max_turns=schedule.max_turns(inputs.schedule, step),
                                     weights=self.board.newer if settings.partial else None)
       cursors[0] = sampled.cursor
       return sampled

@@ -32,7 +32,8 @@ from agentgym_jax import multihost
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import advantages as advantages_lib, algorithm
 from agentgym_jax.rl import dynamic_sampling, overlong as overlong_lib
-from agentgym_jax.rollout import RolloutSettings, build_trajectory, run_episodes, window
+from agentgym_jax.rl import schedule as schedule_lib
+from agentgym_jax.rollout import RolloutSettings, build_trajectory, envs, run_episodes, window
 from agentgym_jax.rollout.batch import replica_meshes
 from agentgym_jax.train import metrics as metrics_lib, provenance
 from agentgym_jax.train import state as state_lib
@@ -43,9 +44,10 @@ from agentgym_jax.train.data import TaskStream
 class StepInputs:
   """What a run's step batches are made from: built once, before the first step.
 
-  scorers: `update.make_scorers`' (log-probs, values or None); advantages: the jitted
-  estimator of `algorithm.make_advantage_fn` (None in behaviour cloning); demos: the expert's
-  episodes (behaviour cloning; the task stream then runs over their indices).
+  rollout, env, schedule: the run's typed settings (`agentgym_jax.settings`; env this
+  process's); scorers: `update.make_scorers`' (log-probs, values or None); advantages: the
+  jitted estimator of `algorithm.make_advantage_fn` (None in behaviour cloning); demos: the
+  expert's episodes (behaviour cloning; the task stream then runs over their indices).
   """
 
   config: ml_collections.ConfigDict
@@ -57,6 +59,8 @@ class StepInputs:
   share: multihost.ProcessShare
   policy_def: nnx.GraphDef
   rollout: RolloutSettings
+  env: envs.EnvSettings
+  schedule: schedule_lib.Schedule
   scorers: tuple[Callable, Callable | None] | None = None
   advantages: Callable | None = None
   demos: Sequence[Any] = ()

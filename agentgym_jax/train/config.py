@@ -427,7 +427,7 @@ def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   An experiment file that sets a field the trainer does not read (a misspelling) fails here,
   as a command-line override of such a field fails after locking. The estimator's options stay
   open, so the command line can add one (`cli.define_config_flag`); their names are checked
-  against the estimator when the run starts (`AlgorithmSpec.from_config`).
+  against the estimator when the run starts (`agentgym_jax.settings.algorithm`).
 
   Raises:
     ValueError: fields that `base_config()` does not define, or `model.arch` keys that are

@@ -26,9 +26,10 @@ Randomness: every step derives its keys from (seed, step) with fold_in, one stre
 the rollout, the update's minibatch order and evaluation, so nothing depends on how many
 steps ran in this process.
 
-What the loop reads from elsewhere, each from one place: the algorithm from
-`rl.algorithm.AlgorithmSpec`, the environments from `rollout.envs`, the held-out evaluation
-from `evaluate.evaluate`, the episode statistics from `metrics.episode_metrics`.
+What the loop reads from elsewhere, each from one place: the config's typed settings from
+`agentgym_jax.settings` (made once, below; the library takes those, never the config), the
+algorithm from `rl.algorithm.AlgorithmSpec`, the environments from `rollout.envs`, the held-out
+evaluation from `evaluate.evaluate`, the episode statistics from `metrics.episode_metrics`.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ from agentgym_jax import evaluate
 from agentgym_jax import freed_memory
 from agentgym_jax import multihost
 from agentgym_jax import policies
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import algorithm, schedule
-from agentgym_jax.rollout import RolloutSettings, envs
+from agentgym_jax.rollout import envs
 from agentgym_jax.train import asynchronous
 from agentgym_jax.train import batches, checkpoints, metrics as metrics_lib, provenance
 from agentgym_jax.train import sources
@@ -80,7 +82,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   ##############################################################################################
   #                                   Workdir and run info                                     #
   ##############################################################################################
-  config = multihost.process_config(config)
+  # This process's environments (with env.urls: its own env service).
+  env = multihost.process_env(settings_lib.env(config))
   # Executables built from here on: each step's metrics count those since the step before, so
   # the first step's include the start-up's (the model's init, the starting evaluation).
   compiles = caches.CompileCounter()
@@ -103,11 +106,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   # This process's devices: where it rolls out its rows of each batch (the mesh, on one host).
   share = multihost.process_share(mesh)
   batches.check_layout(config, mesh, rollout_mesh)
-  rollout = RolloutSettings.from_config(config)  # validates the rollout's settings
+  rollout = settings_lib.rollout(config)  # validates the rollout's settings
+  turn_limits = settings_lib.schedule(config)
   update_cfg = update_lib.UpdateConfig.from_config(config)  # validates the algorithm
   spec = update_cfg.algo
-  if schedule.validate(config.schedule).reads_success and async_settings.enabled:
-    raise ValueError(f"schedule.advance={config.schedule.advance!r} sets each step's turn limit "
+  if turn_limits.reads_success and async_settings.enabled:
+    raise ValueError(f"schedule.advance={turn_limits.advance!r} sets each step's turn limit "
                      "from the steps before it; asynchronous rollout samples ahead of them: use "
                      "rollout.max_staleness=0 and rollout.devices=0, or schedule.advance='steps'.")
   logging.info("Mesh %s over %d devices.", dict(mesh.shape), mesh.size)
@@ -116,21 +120,22 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   #                               Tokenizer and environments                                   #
   ##############################################################################################
   # A "bpe:" tokenizer is trained and saved by process 0; the others then read it.
-  tok = multihost.process_zero_first(lambda: policies.load_tokenizer(config, workdir),
-                                     "tokenizer")
-  stream = sources.task_stream(config)
+  policy_settings = settings_lib.policy(config)
+  tok = multihost.process_zero_first(
+      lambda: policies.load_tokenizer(policy_settings, env, workdir), "tokenizer")
+  stream = sources.task_stream(env, config.seed)
   demos = []
   if config.mode == "bc":
     # Behaviour cloning draws its rows from the demonstrations, in shuffled epochs. Played
     # and cached by process 0 first; the others then read its cache (if they see it).
-    demos = multihost.process_zero_first(lambda: sources.demonstrations(config, tok),
+    demos = multihost.process_zero_first(lambda: sources.demonstrations(config, env, tok),
                                          "demonstrations")
-    stream = sources.task_stream(config, demos)
+    stream = sources.task_stream(env, config.seed, demos)
 
   ##############################################################################################
   #                           Model, optimizers and train state                                #
   ##############################################################################################
-  policy = policies.build_policy(config, tok, mesh)
+  policy = policies.build_policy(policy_settings, tok, mesh)
   critic = sources.build_critic(policy, config.seed, mesh) if spec.use_critic else None
   state, split, optimizers = state_lib.create(config, policy, critic,
                                               keep_reference=spec.keep_reference, mesh=mesh)
@@ -153,12 +158,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   start_step = int(jax.device_get(state.step))
   writer = (metrics_lib.MetricWriter(workdir, resume_step=start_step)
             if jax.process_index() == 0 else None)
-  eval_settings = evaluate.EvalSettings.from_config(config)
-  pool = envs.make_pool(config)
+  eval_settings = settings_lib.evaluation(config)
+  pool = envs.make_pool(env)
   inputs = batches.StepInputs(
       config=config, update=update_cfg, tok=tok, pool=pool, stream=stream, mesh=mesh,
       share=share, policy_def=split.policy_def,
-      rollout=rollout, demos=demos,
+      rollout=rollout, env=env, schedule=turn_limits, demos=demos,
       scorers=update_lib.make_scorers(
           split.policy_def, split.critic_def, update_cfg.temperature,
           config.algo.minibatches * config.algo.microbatches, mesh,
@@ -180,7 +185,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     # The command line's evaluation of this step's checkpoint: same settings, key and report.
     # One key for every evaluation of the run, so checkpoints are compared on the same
     # sampling noise and a change between them is the policy's.
-    result = evaluate.evaluate(config, eval_settings, split.policy_def, state.policy, tok,
+    result = evaluate.evaluate(env, eval_settings, split.policy_def, state.policy, tok,
                                pool, rng=evaluate.eval_key(config.seed), mesh=mesh)
     if jax.process_index() == 0:
       evaluate.write_report(result, os.path.join(workdir, EVAL_DIR, f"step_{step}"),
@@ -188,7 +193,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     overall = result.summary[evaluate.eval_metrics.OVERALL]
     # A metric whose episodes all failed measured nothing: it is left out, not logged as 0.
     scalars = dict(overall, success_rate=result.success_rate)
-    scalars.update(evaluate.environment_metrics(config, result))  # a mixture's, per environment
+    scalars.update(evaluate.environment_metrics(env, result))  # a mixture's, per environment
     return {f"eval/{k}": float(v) for k, v in scalars.items() if v is not None}
 
   ##############################################################################################
@@ -210,12 +215,12 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
     for step in range(start_step, config.total_steps):
       clock = [time.perf_counter()]
       done = step + 1
-      max_turns = schedule.max_turns(config.schedule, step, horizon)
+      max_turns = schedule.max_turns(turn_limits, step, horizon)
       # A saved step records what regenerates its episodes (agentgym_jax/replay.py).
       saving = _due(done, config.log.trajectories_every, config.total_steps)
       got = make_batch(inputs, state, step, cursor, max_turns, saving)
       cursor = got.cursor
-      horizon = schedule.advance(config.schedule, horizon, step, got.metrics)
+      horizon = schedule.advance(turn_limits, horizon, step, got.metrics)
       # Programs hold host memory (freed_memory.py). Dropped here, between the batch and the
       # update, the rollout's are not held through the update's peak; an asynchronous run's
       # rollout thread may be tracing, so only the synchronous loop drops them.
@@ -252,7 +257,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
       compile_metrics = compiles.take()
       last = step_metrics(got, update_metrics, eval_metrics, clock, compile_metrics,
-                          config=config, max_turns=max_turns)
+                          inputs=inputs, max_turns=max_turns)
       if writer and _due(done, config.log.every_steps, config.total_steps):
         writer.write(done, last)
       progress.update(1)
@@ -322,7 +327,7 @@ def _resume(ckpt: checkpoints.Checkpointer, state: state_lib.TrainState,
 
 def step_metrics(got: batches.StepBatch, update_metrics: dict[str, Any],
                  eval_metrics: dict[str, float], clock: list[float],
-                 compile_metrics: dict[str, float], *, config: ml_collections.ConfigDict,
+                 compile_metrics: dict[str, float], *, inputs: batches.StepInputs,
                  max_turns: int) -> dict[str, float]:
   """Everything a step logs: its batch's statistics, the update's, the schedule, throughput,
   the time of each phase, the executables it built and the evaluation's results.
@@ -333,14 +338,15 @@ def step_metrics(got: batches.StepBatch, update_metrics: dict[str, Any],
   compile/seconds, each 0 in a step that met no new shape.
   """
   start, batched, updated, saved, evaluated = clock
+  config, env = inputs.config, inputs.env
   out = dict(got.metrics)
-  if envs.is_mixture(config) and config.mode == "rl":
+  if env.is_mixture and config.mode == "rl":
     out.update(metrics_lib.environment_metrics(
-        got.host, got.episodes, lambda task_id: envs.environment_of(config, task_id)))
+        got.host, got.episodes, lambda task_id: envs.environment_of(env, task_id)))
   out.update({k: float(v) for k, v in update_metrics.items()})
   out.update({
       "schedule/max_turns": float(max_turns),
-      "schedule/phase": float(schedule.phase_of(config.schedule, max_turns)),
+      "schedule/phase": float(schedule.phase_of(inputs.schedule, max_turns)),
       "update/trained_tokens": float(got.trained_tokens * config.algo.epochs),
       "update/tokens_per_s": got.trained_tokens * config.algo.epochs / max(updated - batched,
                                                                            1e-9),

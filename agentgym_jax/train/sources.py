@@ -5,6 +5,7 @@ expert plays them through `rollout.envs`), and the critic, started from the poli
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -14,6 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from agentgym_jax import caches
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.models import Decoder, ValueModel
 from agentgym_jax.rollout import demonstrations as demos_lib
@@ -23,57 +25,65 @@ from agentgym_jax.tokenization import ChatTokenizer
 from agentgym_jax.train import data
 
 
-def task_stream(config: ml_collections.ConfigDict, demos: Sequence[Episode] = ()
+def task_stream(env: envs.EnvSettings, seed: int, demos: Sequence[Episode] = ()
                 ) -> data.TaskStream | data.MixtureStream:
   """The order in which steps take their tasks (`envs.training_tasks`), or with `demos`
   (behaviour cloning) the indices of the demonstrations; a mixture's takes each environment's
   by its ratio (`data.MixtureStream`, a demonstration's environment read from its task id)."""
-  if not envs.is_mixture(config):
-    return data.TaskStream(envs.training_tasks(config) if not demos else range(len(demos)),
-                           config.seed)
-  members = envs.members(config)
+  if not env.is_mixture:
+    return data.TaskStream(envs.training_tasks(env) if not demos else range(len(demos)), seed)
   if demos:
-    environment = [envs.environment_of(config, e.task_id) for e in demos]
-    own = [[i for i, label in enumerate(environment) if label == m.label] for m in members]
+    environment = [envs.environment_of(env, e.task_id) for e in demos]
+    own = [[i for i, label in enumerate(environment) if label == m.label] for m in env.mix]
   else:
-    own = [[m.encode(t) for t in envs.training_tasks(m.config)] for m in members]
-  return data.MixtureStream([data.TaskStream(ids, config.seed) for ids in own],
-                            [m.ratio for m in members])
+    own = [[m.encode(t) for t in envs.training_tasks(m.env)] for m in env.mix]
+  return data.MixtureStream([data.TaskStream(ids, seed) for ids in own],
+                            [m.ratio for m in env.mix])
 
 
-def demonstrations(config: ml_collections.ConfigDict, tok: ChatTokenizer) -> list[Episode]:
-  """The expert's episodes of the first `bc.num_tasks` training tasks (`envs.training_tasks`;
-  taken from each category in turn with `bc.balance_categories`), cached on disk.
+def demonstrations(config: ml_collections.ConfigDict, env: envs.EnvSettings,
+                   tok: ChatTokenizer) -> list[Episode]:
+  """The expert's episodes of the first `bc.num_tasks` training tasks of `env` (this
+  process's environments; `envs.training_tasks`, taken from each category in turn with
+  `bc.balance_categories`), cached on disk.
 
-  Played by `demonstrations.expert_episodes` with the runner's limits: the schedule's longest horizon,
-  `rollout.max_context` and `rollout.max_reply_tokens`. A mixture's: each environment's
-  `bc.num_tasks` demonstrations (its own limits, prompt and cache), task ids the mixed run's.
+  Played by `demonstrations.expert_episodes` with `settings.expert(config)`: the runner's
+  limits and the noise of `config.bc`. A mixture's: each environment's `bc.num_tasks`
+  demonstrations (its own turn cap, prompt and cache), task ids the mixed run's.
   """
-  if envs.is_mixture(config):
-    episodes = []
-    for m in envs.members(config):
-      for e in demonstrations(m.config, tok):
-        e.task_id = m.encode(e.task_id)
-        episodes.append(e)
-    return episodes
-  task_ids = envs.training_tasks(config)
-  if config.bc.balance_categories:
-    task_ids = envs.interleave_categories(config, task_ids)
-  task_ids = task_ids[:config.bc.num_tasks] if config.bc.num_tasks else task_ids
+  expert = settings_lib.expert(config)
+  if not env.is_mixture:
+    return _demonstrations(config.bc, env, expert, tok)
+  episodes = []
+  for m in env.mix:
+    capped = expert.max_turns if not m.max_turns else min(expert.max_turns, m.max_turns)
+    for e in _demonstrations(config.bc, m.env, dataclasses.replace(expert, max_turns=capped),
+                             tok):
+      e.task_id = m.encode(e.task_id)
+      episodes.append(e)
+  return episodes
+
+
+def _demonstrations(bc: ml_collections.ConfigDict, env: envs.EnvSettings,
+                    expert: demos_lib.ExpertSettings, tok: ChatTokenizer) -> list[Episode]:
+  """One environment's demonstrations (`demonstrations`), read from or written to the cache."""
+  task_ids = envs.training_tasks(env)
+  if bc.balance_categories:
+    task_ids = envs.interleave_categories(env, task_ids)
+  task_ids = task_ids[:bc.num_tasks] if bc.num_tasks else task_ids
   settings = {
-      "env": config.env.name, "env_kwargs": config.env.kwargs.to_dict(),
+      "env": env.name, "env_kwargs": dict(env.kwargs),
       "num_tasks": len(task_ids), "task_ids": task_ids,
-      "max_turns": max(config.schedule.horizons), "max_context": config.rollout.max_context,
-      "max_reply_tokens": config.rollout.max_reply_tokens, "noise": config.bc.noise,
-      "drop_thought": config.bc.drop_thought, "seed": config.seed,
-      "system_prompt": config.env.system_prompt,
+      "max_turns": expert.max_turns, "max_context": expert.max_context,
+      "max_reply_tokens": expert.max_reply_tokens, "noise": expert.noise,
+      "drop_thought": expert.drop_thought, "seed": expert.seed,
+      "system_prompt": env.system_prompt,
       "tokenizer": demos_lib.tokenizer_fingerprint(tok),
   }
-  cache_dir = config.bc.cache_dir or caches.user_cache_dir("demonstrations")
-  path = demos_lib.cache_path(cache_dir, config.env.name, settings)
-
+  cache_dir = bc.cache_dir or caches.user_cache_dir("demonstrations")
+  path = demos_lib.cache_path(cache_dir, env.name, settings)
   return demos_lib.load_or_build(path, settings,
-                                 lambda: demos_lib.expert_episodes(config, tok, task_ids))
+                                 lambda: demos_lib.expert_episodes(env, tok, task_ids, expert))
 
 
 def build_critic(policy: Decoder, seed: int, mesh: Mesh) -> ValueModel:

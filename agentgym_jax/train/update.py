@@ -52,6 +52,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import logprobs as logprobs_lib
 from agentgym_jax.rl import losses
@@ -185,7 +186,7 @@ class UpdateConfig:
     for name in ("epochs", "minibatches", "microbatches"):
       if config.algo[name] < 1:
         raise ValueError(f"algo.{name} must be >= 1, got {config.algo[name]}.")
-    return cls(algo=AlgorithmSpec.from_config(config), epochs=config.algo.epochs,
+    return cls(algo=settings_lib.algorithm(config), epochs=config.algo.epochs,
                minibatches=config.algo.minibatches, microbatches=config.algo.microbatches,
                temperature=config.rollout.temperature,
                compute_dtype=config.model.compute_dtype)
