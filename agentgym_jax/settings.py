@@ -240,9 +240,9 @@ class EvalSettings:
   max_turns: int
   temperature: float
   max_reply_tokens: int
-  rollout: RolloutSettings = RolloutSettings()
-  rows: int = 1
-  seed: int = 0
+  rollout: RolloutSettings
+  rows: int
+  seed: int
   pass_criterion: str = "score>0"
   ks: tuple[int, ...] = (1,)
 
