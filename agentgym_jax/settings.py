@@ -5,24 +5,26 @@ experiment file writes and the command line overrides; the library below the tra
 reads it. Each of its parts takes a small frozen settings object instead, and the command lines
 (the trainer, `python -m agentgym_jax.evaluate`, the plan, replay) make those here, once each:
 
-  env(config)          rollout.envs.EnvSettings             config.env, data.split/categories
-  rollout(config)      rollout.RolloutSettings              config.rollout, the episodes' limits
-  schedule(config)     rl.schedule.Schedule                 config.schedule
-  algorithm(config)    rl.algorithm.AlgorithmSpec           config.mode, config.algo
-  expert(config)       rollout.demonstrations.ExpertSettings  config.bc, the runner's limits
-  policy(config)       policies.PolicySettings              config.model, config.tokenizer
-  evaluation(config)   EvalSettings (below)                 config.eval
+  env(config)         rollout.envs.EnvSettings               config.env, data.split/categories
+  rollout(config)     rollout.RolloutSettings                config.rollout, episode limits
+  schedule(config)    rl.schedule.Schedule                   config.schedule
+  algorithm(config)   rl.algorithm.AlgorithmSpec             config.mode, config.algo
+  expert(config)      rollout.demonstrations.ExpertSettings  config.bc, the runner's limits
+  policy(config)      policies.PolicySettings                config.model, config.tokenizer
+  evaluation(config)  EvalSettings (below)                   config.eval
 
-Each function copies the config's fields into its object and nothing else, so a field has one
-reader; the objects check themselves (`Schedule`, `RolloutSettings`) or are checked by the
-module that uses them (`rollout.envs.check`), but for what only the config's form can get
-wrong (a mixture entry's fields), checked here. `checked_env` and `checked_algorithm` are the
-command lines' start-up checks: one line and exit, before anything is written.
+Each function is the one reader of its part of the config: it copies the fields into its
+object (`algorithm` also makes, and checks, the choices the algorithm derives from them). The
+objects check themselves (`Schedule`, `RolloutSettings`) or are checked by the module that
+uses them (`rollout.envs.check`); what only the config's form can get wrong (a mixture entry's
+fields) is checked here. `checked_env` and `checked_algorithm` are the command lines'
+start-up checks: one line and exit, before anything is written.
 
 `EvalSettings` is defined here, not in `evaluate/`: the evaluation command line stands above
 this module (tests/test_layout.py's floors) and the trainer builds the same object.
 This is the one module below `train/` whose functions take the ConfigDict
-(tests/test_settings.py enforces it, naming this module as the exception).
+(tests/test_layout.py:test_no_module_below_the_trainer_takes_the_config names it as the
+exception).
 """
 
 from __future__ import annotations
