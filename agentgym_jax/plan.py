@@ -28,6 +28,13 @@ the config's largest shapes:
 
 each of them that the step runs (`Run.programs`: behaviour cloning runs the update only).
 
+Asynchronous rollout on devices of its own (`rollout.devices = n`, train/asynchronous.py)
+splits every host's chips into two groups: the last n of each host roll out, the others train.
+The plan then builds the train state, scorers and update on the train group's mesh and the
+rollout programs on one host's n rollout chips, which hold no train state, only the published
+weights: `rollout.max_staleness` more versions of them besides the one decoding (`resident`).
+Each program's row names its group and how many chips it spans.
+
 Each host rolls out its own rows on its own chips (agentgym_jax/multihost.py), so the rollout
 programs compile for one host of the slice's generation (a compile for part of a slice's
 devices fails inside libtpu) with the rows and params of one host. A program's row counts
@@ -81,6 +88,7 @@ from agentgym_jax import settings as settings_lib
 from agentgym_jax.rollout import sampler
 from agentgym_jax.rollout.trajectory import bucket_length
 from agentgym_jax.tokenization import ChatTokenizer
+from agentgym_jax.train import asynchronous
 from agentgym_jax.train import batches
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import update as update_lib
@@ -158,15 +166,22 @@ class Run:
   optimizers: state_lib.Optimizers
   shardings: state_lib.TrainState
   state: state_lib.TrainState  # of sharded ShapeDtypeStructs
+  # Asynchronous rollout's settings and, with devices of its own, the rollout group's mesh.
+  settings: asynchronous.AsyncSettings = asynchronous.AsyncSettings()
+  rollout_mesh: Mesh | None = None
 
   @classmethod
   def build(cls, config: ml_collections.ConfigDict, devices: list[Any]) -> "Run":
-    """The mesh, algorithm and abstract train state of `config` on `devices`."""
+    """The mesh, algorithm and abstract train state of `config` on `devices` (on the train
+    group's devices with `rollout.devices`, as the trainer splits them)."""
     platform = devices[0].platform
     tok = run_tokenizer(config)
     cfg = model_config(config, tok, platform)
-    mesh = sharding_lib.make_mesh(config.mesh, devices)
-    batches.check_layout(config, mesh)  # the trainer's own start-up check
+    settings = asynchronous.AsyncSettings.from_config(config)
+    train, rollout = asynchronous.device_groups(settings, devices)
+    mesh = sharding_lib.make_mesh(config.mesh, devices if train is None else train)
+    rollout_mesh = None if rollout is None else sharding_lib.make_mesh(config.mesh, rollout)
+    batches.check_layout(config, mesh, rollout_mesh)  # the trainer's own start-up checks
     update_cfg = update_lib.UpdateConfig.from_config(config)
     spec = update_cfg.algo
     policy = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
@@ -180,7 +195,8 @@ class Run:
         seed=0, shardings=split.shardings), split.policy, split.critic)
     return cls(config, cfg, tuple(tok.end_of_turn_ids), mesh, platform, spec, update_cfg,
                split.policy_def, split.critic_def, optimizers, split.shardings,
-               _abstract(state, split.shardings))
+               _abstract(state, split.shardings), settings=settings,
+               rollout_mesh=rollout_mesh)
 
   @property
   def rows(self) -> int:
@@ -269,6 +285,7 @@ class Program:
   resident: int = 0
   needed: int | None = None  # what libtpu said it needs when it did not fit
   seconds: float = 0.0  # compile time
+  group: str = ""  # with asynchronous rollout's device groups: which, and its chips
 
   @property
   def total(self) -> int:
@@ -320,7 +337,7 @@ def rollout_programs(run: Run, host_devices: list[Any], hosts: int,
   compute = jnp.dtype(run.update_cfg.compute_dtype)
   cast = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute), run.state.policy)
   local, shardings = state_lib.rollout_layout(run.policy_def, cast,
-                                              host_mesh(run.mesh, host_devices))
+                                              host_mesh(run.rollout_mesh or run.mesh, host_devices))
   params = _abstract(cast, shardings)
   shards = sharding_lib.data_parallel_size(local)
   rows = -(-run.rows // hosts // shards) * shards
@@ -332,6 +349,8 @@ def rollout_programs(run: Run, host_devices: list[Any], hosts: int,
   # in HBM.
   own = hosts == 1 and compute == jnp.float32 and local.shape == run.mesh.shape
   resident = per_chip_bytes(run.state) - (per_chip_bytes(run.state.policy) if own else 0)
+  if run.rollout_mesh is not None:  # a group of its own: the board's other versions only
+    resident = run.settings.max_staleness * per_chip_bytes(params)
   # The rows' arrays sharded as the rollout puts them (`shard_batch`), so that the programs
   # are the ones it compiles.
   rows_of = lambda x: jax.ShapeDtypeStruct(
@@ -381,12 +400,20 @@ def plan(config: ml_collections.ConfigDict, target: Target,
   state_bytes = per_chip_bytes(run.state)
   programs = []
 
+  host = target.devices(one_host=True)
+  _, host_rollout = asynchronous.device_groups(run.settings, host)
+  groups = {} if host_rollout is None else {
+      "train": f"train, {run.mesh.size} chips",
+      "rollout": f"rollout, {len(host_rollout)} of each host's {len(host)} chips"}
+
   def compile_program(name, lower, resident=0):  # pylint: disable=redefined-outer-name
     if name in only and name in run.programs:
-      programs.append(_compile(name, lower, resident))
+      group = groups.get("rollout" if name.startswith("rollout") else "train", "")
+      programs.append(dataclasses.replace(_compile(name, lower, resident), group=group))
       report(programs[-1])
 
-  rollout_programs(run, target.devices(one_host=True), target.hosts, compile_program)
+  rollout_programs(run, host if host_rollout is None else host_rollout, target.hosts,
+                   compile_program)
   batch = run.batch()
   chunks = config.algo.minibatches * config.algo.microbatches
   score_logprobs, score_values = update_lib.make_scorers(
@@ -428,7 +455,8 @@ def row(program: Program, target: Target) -> list[str]:
   """The program's table row, GiB per device ("-" where a program too big has no breakdown)."""
   gib = lambda n: f"{n / GiB:.2f}"
   parts = [program.arguments, program.outputs, program.temporaries, program.code]
-  return [program.name, *(["-"] * 4 if program.needed is not None else map(gib, parts)),
+  name = f"{program.name} [{program.group}]" if program.group else program.name
+  return [name, *(["-"] * 4 if program.needed is not None else map(gib, parts)),
           gib(program.resident), gib(program.total),
           f"{program.total / target.usable_bytes:.0%}",
           "yes" if fits(program, target) else "NO"]

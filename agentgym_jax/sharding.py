@@ -59,6 +59,8 @@ def make_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | N
   axes: `jax.make_mesh` refuses v5p-128 (4x4x4 chips) as data=-1, fsdp=2, since no set of its
   sides multiplies to 2. Splitting a side shares its links between two mesh axes, as
   MaxText's `allow_split_physical_axes` does; any sizes that multiply to the device count work.
+  TPU devices that fill no box of the torus (a device group of asynchronous rollout: some
+  chips of every host, train/asynchronous.py) have no such layout and keep the order given.
   """
   devices = list(devices if devices is not None else jax.devices())
   names = tuple(name for name, _ in axes)
@@ -73,8 +75,19 @@ def make_mesh(axes: Sequence[tuple[str, int]], devices: Sequence[jax.Device] | N
   if math.prod(sizes) != len(devices):
     raise ValueError(f"Mesh {dict(zip(names, sizes))} needs {math.prod(sizes)} devices, "
                      f"but {len(devices)} are available; use -1 for one axis.")
-  grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
+  if devices[0].platform == "tpu" and not _fill_a_box(devices):
+    grid = np.array(devices).reshape(sizes)
+  else:
+    grid = mesh_utils.create_device_mesh(sizes, devices, allow_split_physical_axes=True)
   return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def _fill_a_box(devices: Sequence[jax.Device]) -> bool:
+  """Whether TPU `devices` are every core of every chip in the box their coordinates span,
+  which `mesh_utils.create_device_mesh` requires to lay axes along the torus."""
+  coords = np.array([d.coords for d in devices])
+  cores = len({d.core_on_chip for d in devices})
+  return len(devices) == math.prod(coords.max(0) - coords.min(0) + 1) * cores
 
 
 def rollout_mesh(mesh: Mesh | None, kv_heads: int) -> Mesh | None:

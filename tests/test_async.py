@@ -1,5 +1,6 @@
 """Asynchronous rollout (agentgym_jax/train/asynchronous.py, docs/async.md): the rollout
-thread's order, bound and failures with a stand-in sampler; a partial rollout's turns each
+thread's order, bound and failures with a stand-in sampler; the device groups of a TPU slice
+and the plan's programs on each; a partial rollout's turns each
 sampled by a full forward of their weights (the episode runner with two models); then whole
 runs of experiments/keypad/learn.py:runlocal through the command line (the shared compilation
 cache makes reruns fast): staleness 0 on a device group of its own equals the synchronous loop
@@ -11,6 +12,7 @@ one, and the keypad learning checks with staleness 1, 2 and 2 with partial rollo
   .venv/bin/pytest tests/test_async.py -m slow -q -s
 """
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,11 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tpu_slices
 
 from flax import nnx
 
 from agentgym_jax import caches
+from agentgym_jax import plan
 from agentgym_jax import sharding
+from agentgym_jax import tpus
 from agentgym_jax.rollout import RolloutSettings, run_episodes
 from agentgym_jax.train import asynchronous, batches
 from agentgym_jax.train import config as base
@@ -191,8 +196,10 @@ def test_bad_async_settings_stop_the_run_saying_what_to_change():
   c.mode = "bc"
   with pytest.raises(ValueError, match="apply to mode='rl' only"):
     asynchronous.AsyncSettings.from_config(c)
-  with pytest.raises(ValueError, match=f"leaves none of the {jax.device_count()} devices"):
-    asynchronous.AsyncSettings.from_config(_config(devices=jax.device_count()))
+  settings = asynchronous.AsyncSettings.from_config(_config(devices=jax.local_device_count()))
+  with pytest.raises(ValueError, match=f"leaves none of the {jax.local_device_count()} "
+                     "devices of each process"):
+    asynchronous.device_groups(settings)
   with pytest.raises(ValueError, match="must be >= 0"):
     asynchronous.AsyncSettings.from_config(_config(max_staleness=-1))
   with pytest.raises(ValueError, match="partial=True needs rollout.max_staleness > 0"):
@@ -210,6 +217,52 @@ def test_replicas_are_checked_on_the_rollout_devices_not_the_trainers():
   c.rollout.replicas = 4
   with pytest.raises(ValueError, match="rollout.replicas"):
     batches.check_layout(c, train_mesh, rollout_mesh)
+
+
+def test_the_device_groups_split_every_hosts_devices_alike():
+  # A v5e-16's 4 hosts of 4 chips: the last chip of each rolls out, the other 12 train.
+  tpu_slices.require_libtpu()
+  devices = tpus.Slice.parse("v5e-16").devices()
+  train, rollout = asynchronous.device_groups(asynchronous.AsyncSettings(rollout_devices=1),
+                                              devices)
+  hosts = lambda group: [d.process_index for d in group]
+  assert hosts(train) == [0] * 3 + [1] * 3 + [2] * 3 + [3] * 3
+  assert hosts(rollout) == [0, 1, 2, 3] and not set(train) & set(rollout)
+  # Neither group fills a box of the chips' torus: each keeps the order of its devices.
+  mesh = sharding.make_mesh([("data", -1)], train)
+  assert list(mesh.devices.flat) == train
+
+
+def _keypad():
+  """experiments/keypad/learn.py:runlocal's config."""
+  spec = importlib.util.spec_from_file_location(
+      "keypad_learn", os.path.join(REPO, "experiments", "keypad", "learn.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config("runlocal")
+
+
+def test_the_plan_compiles_each_groups_programs_on_its_own_chips():
+  # Keypad's tiny model on a v5e-16 split as above; the rollout's extend on one host's rollout
+  # chip and the scorer (a KL reference makes the step score) on the 12 train chips.
+  tpu_slices.require_libtpu()
+  config = _keypad()
+  config.update_from_flattened_dict({
+      "data.batch_tasks": 6, "data.group_size": 8, "rollout.devices": 1,
+      "rollout.max_staleness": 1, "algo.tis_cap": 2.0, "algo.kl_coef": 0.01})
+  target = tpus.Slice.parse("v5e-16")
+  programs, _ = plan.plan(config, target, only=("rollout_extend", "score_logprobs"))
+  extend, score = programs
+  assert (extend.name, extend.group) == ("rollout_extend", "rollout, 1 of each host's 4 chips")
+  assert (score.name, score.group) == ("score_logprobs", "train, 12 chips")
+  assert plan.fits(extend, target) and plan.fits(score, target)
+  # The rollout chip holds no train state: besides the weights it decodes with, the one more
+  # version staleness 1 may keep on the board.
+  run = plan.Run.build(config, target.devices())
+  weights = sum(x.size for x in jax.tree.leaves(run.state.policy)) * np.dtype(
+      run.update_cfg.compute_dtype).itemsize
+  assert extend.resident == weights
+  assert score.resident > plan.per_chip_bytes(run.state.policy)  # the train state's share
 
 
 # ----- whole runs through the command line -----------------------------------------------------

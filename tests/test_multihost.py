@@ -12,7 +12,13 @@ over all four. The module's fixture runs, in order (2-4 minutes on 2 cores, with
      whose parameters each process gathers into its own copy for the rollout.
 
 A separate launch checks each process's rows and copy of the parameters on meshes whose
-devices alternate between the processes, as a TPU slice's physical device order does.
+devices alternate between the processes, as a TPU slice's physical device order does, and a
+second thread's gathers through the coordination service's key-value store.
+
+Slow (1.5-2 minutes each on 2 busy cores): asynchronous rollout over both processes
+(train/asynchronous.py), each rolling out on one of its two devices and training on the other:
+staleness 1 for 2 steps, then resumed for a third; staleness 0 resumed from step 1's checkpoint
+equals the uninterrupted run bit for bit.
 
 The runs share a persistent compilation cache and skip most XLA optimisations: compiling
 dominates runs this small, and both settings apply to the reference as well.
@@ -24,6 +30,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -278,11 +285,54 @@ for shape, order in [((1, 4, 1), [a[0], b[0], b[1], a[1]]),
 """
 
 
-def test_local_params_and_rows_on_meshes_that_interleave_the_processes(tmp_path):
-  job = _launch(["-c", _SHUFFLED_MESHES], tmp_path / "logs", tmp_path / "cache", processes=2)
+# Then: gathers on a second thread through the key-value store, and a gather that a peer
+# never answers, cancelled by its stop event.
+_CHANNEL_GATHERS = """
+import threading, time
+me, stop = jax.process_index(), threading.Event()
+channel = multihost.KeyValueChannel("test", stop)
+out = []
+def gather(obj):
+  with multihost.gathers_through(channel):
+    try:
+      out.append(multihost.allgather_objects(obj))
+    except multihost.GatherCancelled as exc:
+      out.append(str(exc))
+for obj in ({"rows": [me]}, "x" * (me + 1)):
+  thread = threading.Thread(target=gather, args=(obj,))
+  thread.start()
+  thread.join()
+assert out == [[{"rows": [0]}, {"rows": [1]}], ["x", "xx"]], out
+if me == 0:  # process 1 never answers this one
+  thread = threading.Thread(target=gather, args=("alone",))
+  thread.start()
+  time.sleep(1.0)
+  stop.set()
+  thread.join()
+  assert out[-1].startswith("Stopped waiting for agentgym/test.0/2/1"), out
+multihost.barrier("done")
+print("channel ok")
+"""
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+  """The logs of both processes running the two scripts above, one launch."""
+  tmp = tmp_path_factory.mktemp("scripts")
+  job = _launch(["-c", _SHUFFLED_MESHES + _CHANNEL_GATHERS], tmp / "logs", tmp / "cache",
+                processes=2)
   job.check(timeout=120)
-  for i in range(2):
-    assert job.log(i).count(" ok") == 2, job.log(i)[-3000:]
+  return [job.log(0), job.log(1)]
+
+
+def test_local_params_and_rows_on_meshes_that_interleave_the_processes(scripts):
+  for log in scripts:
+    assert log.count("gather ok") + log.count("view ok") == 2, log[-3000:]
+
+
+def test_a_second_threads_gathers_go_through_the_key_value_store(scripts):
+  for log in scripts:
+    assert "channel ok" in log, log[-3000:]
 
 
 def test_each_process_gets_its_own_env_service_url(monkeypatch):
@@ -342,3 +392,68 @@ def test_explicit_coordinator_needs_process_count(monkeypatch):
   monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
   with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
     multihost.maybe_initialize_distributed()
+
+
+# ----- asynchronous rollout over both processes ------------------------------------------------
+
+# Each process rolls out on the last of its 2 devices and trains on the other: both groups span
+# the two processes (train/asynchronous.py).
+ASYNC_FLAGS = ["--config.rollout.devices=1", "--config.algo.tis_cap=2.0"]
+# What an asynchronous run logs beyond a synchronous one (with algo.tis_cap > 0, its correction).
+ASYNC_METRICS = {"async/policy_version", "async/staleness", "async/staleness_mean",
+                 "time/rollout_wait", "actor/tis_weight", "actor/tis_capped"}
+
+
+def _train_async(workdir, logdir, cache, steps, staleness):
+  return _launch(["-m", "agentgym_jax.train", f"--config={CONFIG}", f"--workdir={workdir}",
+                  f"--config.total_steps={steps}", *TRAIN_FLAGS, *ASYNC_FLAGS,
+                  f"--config.rollout.max_staleness={staleness}"], logdir, cache, processes=2)
+
+
+@pytest.mark.slow
+def test_two_processes_train_and_resume_with_asynchronous_rollout(runs, tmp_path):
+  cache, workdir = tmp_path / "xla_cache", tmp_path / "async"
+  first = _train_async(workdir, tmp_path / "logs_first", cache, steps=2, staleness=1)
+  first.check()
+  metrics = _metrics(workdir)
+  assert [m["step"] for m in metrics] == [1, 2]
+  # The episodes of both processes' rollout devices, the sync run's metrics and the async ones.
+  assert all(m["episodes/count"] == 8 for m in metrics)
+  assert set(metrics[1]) == set(runs["metrics_after_2"][1]) | ASYNC_METRICS
+  assert [m["async/staleness"] for m in metrics] == [0, 1]
+  assert all(m["actor/grad_norm"] > 0 for m in metrics)
+  prints = [_fingerprints(first.log(i)) for i in range(2)]
+  assert sorted(prints[0]) == [1, 2] and prints[0] == prints[1]
+
+  resumed = _train_async(workdir, tmp_path / "logs_resumed", cache, steps=3, staleness=1)
+  resumed.check()
+  assert all("Restored checkpoint 2" in resumed.log(i) for i in range(2))
+  metrics = _metrics(workdir)
+  assert [m["step"] for m in metrics] == [1, 2, 3]
+  # The first step after a resume samples with the resumed weights (docs/async.md, Resume).
+  assert metrics[2]["async/staleness"] == 0 and metrics[2]["episodes/count"] == 8
+  prints = [_fingerprints(resumed.log(i)) for i in range(2)]
+  assert sorted(prints[0]) == [3] and prints[0] == prints[1]
+
+
+def _same_run(a: dict, b: dict) -> list[str]:
+  """The metrics of two records that differ, timings and compile counts aside."""
+  timing = lambda k: k.startswith(("time/", "compile/")) or "per_s" in k or "seconds" in k
+  return [k for k in a if not timing(k) and a[k] != b.get(k)]
+
+
+@pytest.mark.slow
+def test_staleness_0_over_two_processes_resumes_bit_exact(tmp_path):
+  cache, whole, resumed = tmp_path / "xla_cache", tmp_path / "whole", tmp_path / "resumed"
+  _train_async(whole, tmp_path / "logs_whole", cache, steps=2, staleness=0).check()
+  # The same run stopped after step 1: its workdir as it was then.
+  shutil.copytree(whole, resumed)
+  shutil.rmtree(resumed / "checkpoints" / "2")
+  job = _train_async(resumed, tmp_path / "logs_resumed", cache, steps=2, staleness=0)
+  job.check()
+  assert "Restored checkpoint 1" in job.log(0)
+  assert _same_run(_metrics(whole)[1], _metrics(resumed)[1]) == []
+  a, b = _policy_at(whole, 2), _policy_at(resumed, 2)
+  assert a.keys() == b.keys()
+  for name in a:
+    np.testing.assert_array_equal(a[name], b[name], err_msg=name)

@@ -26,11 +26,23 @@ turn, its context prefilled again with them (rollout/episodes.py: a KV cache nev
 weights that computed it). Each turn records its version; the batch's oldest bounds it. The run
 then depends on the threads' timing, hence off by default.
 
-Devices: with `rollout.devices = n`, the last n devices of the host roll out on their own mesh
-(`config.mesh`'s axes over them) and the others train; after each update the trainer publishes
-its weights to them with a device-to-device `jax.device_put` onto the same partition specs on
-the rollout mesh, tagged with the new version (no file). With n = 0 both share the trainer's
-mesh and the published weights are a copy (the update donates its state's buffers).
+Devices: with `rollout.devices = n`, the last n devices of every host (process) roll out on a
+mesh of their own (`config.mesh`'s axes over them) and the others train; after each update the
+trainer publishes its weights to them with a device-to-device `jax.device_put` onto the same
+partition specs on the rollout mesh, tagged with the new version (no file). With n = 0 both
+share the trainer's mesh and the published weights are a copy (the update donates its state's
+buffers).
+
+Several hosts: both groups span the processes, and each process rolls out its share of every
+step's rows on its own rollout devices with its own environments, as the synchronous loop does
+on its share of the trainer's mesh (agentgym_jax/multihost.py). Publishing is the main thread's:
+the trainer's collective that gathers each process's copy of the policy (`batches.
+rollout_params`), then a device-to-device copy onto the process's rollout devices. The rollout
+thread never calls a program that spans processes (each process would interleave it with the
+main thread's collectives in its own order); it gathers a step's episodes from every process
+through the coordination service's key-value store (`multihost.KeyValueChannel`), so every
+process's thread holds the whole batch, as the synchronous loop's gather gives it, and dynamic
+sampling decides alike on all of them.
 
 Failures: each step's episodes come from `batches.sample_step`, as in the synchronous loop, so
 failed episodes (a crashed, raising or hung worker: `env.timeout_s`) train nothing and stay out
@@ -103,45 +115,58 @@ class AsyncSettings:
       raise ValueError(f"rollout.max_staleness={k} trains on episodes sampled by weights up to "
                        f"{k} updates old: set algo.tis_cap > 0 (e.g. 2.0) so truncated "
                        "importance sampling corrects for them.")
-    if jax.process_count() > 1:
-      raise ValueError("Asynchronous rollout runs on one host only for now; set "
-                       "rollout.max_staleness=0 and rollout.devices=0 on several processes.")
-    if n >= jax.device_count():
-      raise ValueError(f"rollout.devices={n} leaves none of the {jax.device_count()} devices "
-                       "to train; use fewer (or 0 to share the trainer's mesh).")
     return settings
 
 
-def device_groups(settings: AsyncSettings) -> tuple[list[Any] | None, list[Any] | None]:
-  """(the trainer's devices, the rollout's): the last `rollout_devices` devices roll out;
-  (None, None) when they share all devices (`make_mesh`'s default)."""
-  if settings.rollout_devices == 0:
+def device_groups(settings: AsyncSettings, devices: list[Any] | None = None
+                  ) -> tuple[list[Any] | None, list[Any] | None]:
+  """(the trainer's devices, the rollout's) of `devices` (default: the job's, `jax.devices()`;
+  the plan passes a TPU slice's): the last `rollout_devices` devices of every process (host)
+  roll out, the others train, processes in order; (None, None) when they share all devices.
+
+  Raises:
+    ValueError: a process would keep no device to train.
+  """
+  n = settings.rollout_devices
+  if n == 0:
     return None, None
-  devices = jax.devices()
-  return devices[:-settings.rollout_devices], devices[-settings.rollout_devices:]
+  by_process: dict[int, list[Any]] = {}
+  for device in jax.devices() if devices is None else devices:
+    by_process.setdefault(device.process_index, []).append(device)
+  hosts = [by_process[p] for p in sorted(by_process)]
+  if n >= min(map(len, hosts)):
+    raise ValueError(f"rollout.devices={n} leaves none of the {min(map(len, hosts))} devices "
+                     "of each process to train; use fewer (or 0 to share the trainer's "
+                     "mesh).")
+  return [d for host in hosts for d in host[:-n]], [d for host in hosts for d in host[-n:]]
 
 
 class WeightBoard:
   """The policy weights published for the rollout, by version, on the rollout mesh.
 
-  `publish` puts a version's weights on the rollout's devices (a device-to-device copy onto
-  the same partition specs there); `take(v)` waits for version v and forgets the older ones
-  (the rollout never goes back to them)."""
+  `mesh`: where this process samples (its rollout devices, laid out by `state.rollout_layout`
+  in a run); `shardings`: the weights' shardings there (a run's, from the same layout), or None
+  for each array's own partition spec on `mesh`. `publish` puts a version's weights there (a
+  device-to-device copy); `take(v)` waits for version v and forgets the older ones (the
+  rollout never goes back to them)."""
 
-  def __init__(self, mesh: Mesh):
-    self.mesh = mesh
+  def __init__(self, mesh: Mesh, shardings: Any = None):
+    self.mesh, self.shardings = mesh, shardings
     self._weights: dict[int, Any] = {}
     self._changed = threading.Condition()
     self._closed = False
 
   def publish(self, version: int, params: Any) -> None:
-    """Copies `params` (arrays sharded on the trainer's mesh) to the rollout mesh as `version`,
-    each with its partition spec (replicated where it has none: a single-device array).
+    """Copies `params` (this process's copy, on its own devices: `batches.rollout_params`)
+    to the board's `shardings` as `version`, or without them to its mesh with each array's
+    partition spec (replicated where it has none: a single-device array).
 
     Always a copy (`may_alias=False`): the update donates the buffers of the state it reads."""
     spec = lambda x: getattr(x.sharding, "spec", P())
-    moved = jax.tree.map(
-        lambda x: jax.device_put(x, NamedSharding(self.mesh, spec(x)), may_alias=False), params)
+    shardings = self.shardings
+    if shardings is None:
+      shardings = jax.tree.map(lambda x: NamedSharding(self.mesh, spec(x)), params)
+    moved = jax.device_put(params, shardings, may_alias=False)
     jax.block_until_ready(moved)
     with self._changed:
       self._weights[version] = moved
@@ -195,7 +220,8 @@ class RolloutThread:
   `sample(step, params, version)` draws one step (`batches.sample_step` in a run); with
   `newest` it gets the newest weights published by then, not older than `version_for(step)`.
   `next()` hands the steps over in order; an error in `sample` reaches `next()` as
-  `RolloutFailed` after the steps finished before it, so none of those is lost."""
+  `RolloutFailed` after the steps finished before it, so none of those is lost. On several
+  processes `sample`'s gathers go through a `multihost.KeyValueChannel` of the thread's own."""
 
   def __init__(self, sample: Callable[[int, Any, int], Any], board: WeightBoard, *,
                first_step: int, total_steps: int, max_staleness: int, newest: bool = False):
@@ -204,6 +230,7 @@ class RolloutThread:
                                                              max_staleness)
     self._queue: queue.Queue = queue.Queue(maxsize=max(max_staleness, 1))
     self._stop = threading.Event()
+    self._channel = multihost.KeyValueChannel("rollout", self._stop)  # on the main thread
     self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
     self._thread.start()
 
@@ -214,10 +241,11 @@ class RolloutThread:
 
   def _run(self) -> None:
     try:
-      for step in range(self.first_step, self.total_steps):
-        taken = self.board.take(self.version_for(step), newest=self.newest)
-        if taken is None or not self._put(self.sample(step, taken[1], taken[0])):
-          return  # the run is closing
+      with multihost.gathers_through(self._channel):
+        for step in range(self.first_step, self.total_steps):
+          taken = self.board.take(self.version_for(step), newest=self.newest)
+          if taken is None or not self._put(self.sample(step, taken[1], taken[0])):
+            return  # the run is closing
     except BaseException as exc:  # pylint: disable=broad-except
       # Handed to the main thread, behind the steps finished before it.
       self._put(_Failure(exc))
@@ -248,8 +276,8 @@ class RolloutThread:
     return item
 
   def close(self) -> None:
-    """Stops the thread; it finishes the step it is sampling (the environments' timeouts
-    bound it) and queues nothing more."""
+    """Stops the thread; it finishes the episodes it is sampling (the environments' timeouts
+    bound them), stops waiting for other processes' episodes and queues nothing more."""
     self._stop.set()
     self.board.close()
     self._thread.join()
@@ -261,20 +289,23 @@ class AsyncRollout:
   weights to the rollout, `close` stops the thread and its environments.
 
   `inputs` are the trainer's (`batches.StepInputs`); the thread samples with a copy of the
-  weights on `rollout_mesh` (the trainer's mesh, or `config.mesh`'s axes over the devices of
-  `device_groups`) and with its own environment pool, steps `first_step` to
-  `config.total_steps - 1` from task `cursor` on."""
+  weights on this process's devices of `rollout_mesh` (the trainer's mesh, or `config.mesh`'s
+  axes over the devices of `device_groups`) and with its own environment pool, steps
+  `first_step` to `config.total_steps - 1` from task `cursor` on."""
 
   def __init__(self, config: ml_collections.ConfigDict, settings: AsyncSettings,
                inputs: batches.StepInputs, state: state_lib.TrainState, *, first_step: int,
                cursor: int, rollout_mesh: Mesh):
     self.settings, self.inputs = settings, inputs
-    self.board = WeightBoard(rollout_mesh)
+    share = multihost.process_share(rollout_mesh)
+    # The synchronous loop's layout of the rollout's weights, on this process's rollout devices.
+    self.board = WeightBoard(*state_lib.rollout_layout(inputs.policy_def, state.policy,
+                                                       share.mesh))
     self.publish(state)
     rng = np.asarray(jax.device_get(state.rng))  # the state's buffers are donated
     self.pool = envs.make_pool(inputs.env)  # last: nothing after it can fail and leave it open
     rollout_inputs = dataclasses.replace(inputs, mesh=rollout_mesh, pool=self.pool,
-                                         share=multihost.process_share(rollout_mesh))
+                                         share=share)
     cursors = [cursor]  # the task stream's position, advanced by the thread only
 
     def sample(step: int, params: Any, version: int) -> batches.Sampled:
@@ -290,7 +321,8 @@ class AsyncRollout:
                                 max_staleness=settings.max_staleness, newest=settings.partial)
 
   def publish(self, state: state_lib.TrainState) -> None:
-    """The state's policy, in the rollout's compute dtype, as version `state.step`."""
+    """The state's policy, in the rollout's compute dtype, as version `state.step` (on
+    several processes a collective: the main thread's, on every process)."""
     self.board.publish(int(jax.device_get(state.step)),
                        batches.rollout_params(self.inputs, state.policy))
 
