@@ -415,10 +415,8 @@ def plan(config: ml_collections.ConfigDict, target: Target,
   rollout_programs(run, host if host_rollout is None else host_rollout, target.hosts,
                    compile_program)
   batch = run.batch()
-  chunks = config.algo.minibatches * config.algo.microbatches
-  score_logprobs, score_values = update_lib.make_scorers(
-      run.policy_def, run.critic_def, run.update_cfg.temperature, chunks, run.mesh,
-      compute_dtype=run.update_cfg.compute_dtype)
+  score_logprobs, score_values = update_lib.make_scorers(run.policy_def, run.critic_def,
+                                                         run.update_cfg, run.mesh)
   tokens, valid = batch["tokens"], batch["valid"]
   compile_program(
       "score_logprobs",

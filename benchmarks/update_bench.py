@@ -81,7 +81,7 @@ def jax_setup(cfg: ModelConfig, batch: dict, micro: int):
                                      optimizers=opts, seed=0, shardings=shardings)
   ucfg = update_lib.UpdateConfig.from_config(config)
   step = update_lib.make_update_step(graphdef, None, opts, ucfg, mesh, shardings)
-  logprobs, _ = update_lib.make_scorers(graphdef, None, 1.0, micro, mesh)
+  logprobs, _ = update_lib.make_scorers(graphdef, None, ucfg, mesh)
   device_batch = sharding.shard_batch(batch, mesh)
   old = logprobs(state.policy, device_batch["tokens"], device_batch["valid"], None)
   device_batch.update(old_logprobs=old, ref_logprobs=old, rollout_logprobs=old)

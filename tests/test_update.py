@@ -250,8 +250,8 @@ class _Run:
     self.policy_def, self.critic_def, self.opts = policy_def, critic_def, opts
     self.step = update_lib.make_update_step(policy_def, critic_def, opts, ucfg, mesh,
                                             self.shardings)
-    self.logprobs, self.values = update_lib.make_scorers(policy_def, critic_def,
-                                                         ucfg.temperature, 2, mesh)
+    self.logprobs, self.values = update_lib.make_scorers(
+        policy_def, critic_def, dataclasses.replace(ucfg, minibatches=1, microbatches=2), mesh)
 
   def fresh(self):
     return jax.device_put(self.initial, self.shardings)
@@ -564,9 +564,7 @@ def _train_step(config, *, policy_scores_old):
   policy = policies.build_policy(settings_lib.policy(config), tok, mesh)
   state, split, opts = state_lib.create(config, policy, None,
                                         keep_reference=cfg.algo.keep_reference, mesh=mesh)
-  score_logprobs, _ = update_lib.make_scorers(
-      split.policy_def, None, cfg.temperature,
-      config.algo.minibatches * config.algo.microbatches, mesh)
+  score_logprobs, _ = update_lib.make_scorers(split.policy_def, None, cfg, mesh)
   scored = []
 
   def spy(params, tokens, valid, positions):
@@ -810,3 +808,68 @@ def test_a_step_scoring_the_agent_tokens_only_trains_as_scoring_every_position(m
   # makes that 1e-7 disagreement up to ~1e-3 of a step where a gradient is ~eps (_PARITY_LR).
   for a, b in zip(jax.tree.leaves(agent_params), jax.tree.leaves(every_params)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-2 * _PARITY_LR)
+
+
+def test_micro_length_choices():
+  assert update_lib.micro_length_choices(1536, 3) == (768, 1024, 1536)
+  assert update_lib.micro_length_choices(1536, 1) == (1536,)
+  assert update_lib.micro_length_choices(1000, 3) == (512, 768, 1000)
+  assert update_lib.micro_length_choices(2048, 2) == (1536, 2048)
+  assert update_lib.micro_length_choices(64, 3) == (64,)  # nothing shorter to cut to
+
+
+@pytest.mark.parametrize("critic", [False, True])
+def test_micro_batches_at_their_own_length_train_as_the_whole_rows(monkeypatch, critic):
+  """One row per micro-batch, each cut to the shortest of 3 lengths that holds it: the same
+  loss, gradients and per-row log-probs as every row at the batch's length."""
+  monkeypatch.setattr(update_lib, "MICRO_LENGTH_MINIMUM", 4)
+  lengths = update_lib.micro_length_choices(LENGTH, 3)
+  assert lengths == (12, 16, 20)
+  batch = _batch()
+  used = np.asarray(batch["valid"]).sum(axis=1)
+  assert (used <= 12).sum() and ((used > 12) & (used <= 16)).sum() and (used > 16).sum()
+  (policy_def, policy), (critic_def, critic_params) = _models()
+  got = {}
+  for count in (1, 3):
+    cfg = update_lib.UpdateConfig.from_config(_config(estimator="gae" if critic else "grpo",
+                                                      microbatch_lengths=count))
+    fn, params = ((update_lib.critic_loss, critic_params) if critic
+                  else (update_lib.policy_loss, policy))
+    loss_fn = functools.partial(fn, graphdef=critic_def if critic else policy_def, cfg=cfg)
+    den = losses.aggregation_denominator(batch["loss_mask"], cfg.algo.loss_agg_mode)
+    got[count] = jax.jit(lambda p, b: update_lib.accumulate_gradients(  # pylint: disable=cell-var-from-loop
+        loss_fn, p, b, den, ROWS, micro_lengths=cfg.micro_lengths))(params, batch)
+  (want_loss, want_grads, want_aux), (cut_loss, cut_grads, cut_aux) = got[1], got[3]
+  np.testing.assert_allclose(cut_loss, want_loss, rtol=1e-6, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(cut_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+  assert set(cut_aux) == set(want_aux)
+  mask = np.asarray(batch["loss_mask"])
+  for key in want_aux:
+    want_value = np.where(mask, want_aux[key], 0.0) if key == "logprobs" else want_aux[key]
+    cut_value = np.where(mask, cut_aux[key], 0.0) if key == "logprobs" else cut_aux[key]
+    np.testing.assert_allclose(cut_value, want_value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+def test_scorers_at_each_micro_batchs_length_give_the_whole_rows_log_probs(monkeypatch):
+  monkeypatch.setattr(update_lib, "MICRO_LENGTH_MINIMUM", 4)
+  mesh = sharding.make_mesh((("data", 1), ("fsdp", 1), ("tensor", 1)), devices=jax.devices()[:1])
+  (policy_def, policy), (critic_def, critic_params) = _models()
+  batch = _batch()
+  valid = np.asarray(batch["valid"])
+  scored = {}
+  for count in (1, 3):
+    cfg = update_lib.UpdateConfig.from_config(_config(estimator="gae", minibatches=1,
+                                                      microbatches=ROWS,
+                                                      microbatch_lengths=count))
+    logprobs, values = update_lib.make_scorers(policy_def, critic_def, cfg, mesh)
+    scored[count] = (logprobs(policy, batch["tokens"], batch["valid"], None),
+                     values(critic_params, batch["tokens"], batch["valid"]))
+  for whole, cut in zip(scored[1], scored[3]):
+    np.testing.assert_allclose(np.where(valid, cut, 0.0), np.where(valid, whole, 0.0),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_update_config_rejects_no_micro_batch_length():
+  with pytest.raises(ValueError, match="algo.microbatch_lengths must be >= 1"):
+    update_lib.UpdateConfig.from_config(_config(microbatch_lengths=0))

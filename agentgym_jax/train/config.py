@@ -298,6 +298,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.algo.minibatches = 2
   # Gradient-accumulation chunks per minibatch (memory only: the gradient is unchanged).
   c.algo.microbatches = 1
+  # Row lengths a micro-batch may run at (update and scoring): the batch's and the k - 1 bucket
+  # lengths below it, each micro-batch taking the shortest that holds its tokens
+  # (train/update.py, micro-batch lengths). Each length is another branch of the update's and
+  # the scorer's programs to compile; 1 runs every micro-batch at the batch's length.
+  c.algo.microbatch_lengths = 1
   # Value-loss weight, relative to the policy loss (the critic has its own optimizer, so this
   # only scales the critic's gradient).
   c.algo.value_coef = 1.0

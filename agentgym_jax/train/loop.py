@@ -164,10 +164,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       config=config, update=update_cfg, tok=tok, pool=pool, stream=stream, mesh=mesh,
       share=share, policy_def=split.policy_def,
       rollout=rollout, env=env, schedule=turn_limits, demos=demos,
-      scorers=update_lib.make_scorers(
-          split.policy_def, split.critic_def, update_cfg.temperature,
-          config.algo.minibatches * config.algo.microbatches, mesh,
-          compute_dtype=update_cfg.compute_dtype),
+      scorers=update_lib.make_scorers(split.policy_def, split.critic_def, update_cfg, mesh),
       advantages=algorithm.make_advantage_fn(spec))
   make_batch = batches.bc_batch if config.mode == "bc" else batches.rl_batch
   rollouts = None  # the rollout thread of an asynchronous run

@@ -36,6 +36,14 @@ the loss is the same (ratio exactly 1) and the step saves a forward pass over th
 
 Rows of a micro-batch are strided (micro-batch k holds rows k, k + K, k + 2K, ...), so with the
 row axis split over the data-parallel devices every micro-batch spans all of them.
+
+Micro-batch lengths: a batch's rows are as long as its longest episode (bucketed), and most
+episodes are shorter. With `micro_lengths` = k > 1 each micro-batch of the update and of the
+scoring passes runs at the shortest of k row lengths (the batch's and the k - 1 bucket lengths
+below it, `micro_length_choices`) that holds its tokens, a `lax.switch` between k copies of
+the forward and backward in one program: a causal model's first n positions do not depend on
+the rest, so the losses and log-probs are those of the whole row. The cost is k branches to
+compile.
 """
 
 from __future__ import annotations
@@ -170,6 +178,7 @@ class UpdateConfig:
   microbatches: int
   temperature: float
   compute_dtype: str = "float32"  # the forward's: "bfloat16" is mixed precision (`as_compute`)
+  micro_lengths: int = 1  # row lengths a micro-batch may run at (`micro_length_choices`)
 
   def __post_init__(self):
     if self.algo.old_logprobs_from_update and self.updates_per_step != 1:
@@ -183,13 +192,14 @@ class UpdateConfig:
     if config.rollout.temperature <= 0:
       raise ValueError("rollout.temperature must be > 0 for training: the policy's log-probs "
                        f"are those of the sampling distribution, got {config.rollout.temperature}.")
-    for name in ("epochs", "minibatches", "microbatches"):
+    for name in ("epochs", "minibatches", "microbatches", "microbatch_lengths"):
       if config.algo[name] < 1:
         raise ValueError(f"algo.{name} must be >= 1, got {config.algo[name]}.")
     return cls(algo=settings_lib.algorithm(config), epochs=config.algo.epochs,
                minibatches=config.algo.minibatches, microbatches=config.algo.microbatches,
                temperature=config.rollout.temperature,
-               compute_dtype=config.model.compute_dtype)
+               compute_dtype=config.model.compute_dtype,
+               micro_lengths=config.algo.microbatch_lengths)
 
   @property
   def updates_per_step(self) -> int:
@@ -238,6 +248,55 @@ def split_micro(tree: Any, num: int) -> Any:
 def merge_micro(tree: Any) -> Any:
   """Inverse of `split_micro`: [num, m, ...] -> [m * num, ...] in the original row order."""
   return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), tree)
+
+
+# The shortest length a micro-batch is cut to (`bucket_length`'s default minimum).
+MICRO_LENGTH_MINIMUM = 64
+
+
+def micro_length_choices(length: int, count: int) -> tuple[int, ...]:
+  """The row lengths, shortest first, a micro-batch of [m, length] rows may run at: `length`
+  and the count - 1 largest `bucket_length` sizes below it (64, 96, 128, 192, ...).
+
+  1,536 with count 3 -> (768, 1024, 1536); count 1 -> (length,)."""
+  below, size = [], MICRO_LENGTH_MINIMUM
+  while size < length:
+    below.append(size)
+    size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+  return tuple(below[len(below) - count + 1:] if count > 1 else []) + (length,)
+
+
+# Per-row inputs [m, L] cut to a micro-batch's length; the others ([m], and scored_positions
+# [m, P], positions inside the cut) pass whole.
+_NOT_CUT = ("scored_positions",)
+
+
+def at_used_length(fn: Callable, lengths: tuple[int, ...]) -> Callable:
+  """fn(micro) run on the micro-batch's rows cut to the shortest of `lengths` that holds every
+  valid token.
+
+  micro: a dict of [m, L] arrays holding "valid" (L = lengths[-1]), and others that pass
+  whole ([m], and scored_positions, whose positions lie inside the cut). fn returns
+  (per-row [m, n, ...] arrays, anything else): the first are padded back to [m, L, ...] with
+  0, the rest is returned as it is. One `lax.switch` branch per length: only the chosen one
+  runs. With one length, fn itself.
+  """
+  if len(lengths) == 1:
+    return fn
+
+  def cut_to(n, micro):
+    full = micro["valid"].shape
+    cut = {k: v if k in _NOT_CUT or v.shape[:2] != full else v[:, :n] for k, v in micro.items()}
+    rows, rest = fn(cut)
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, full[1] - n)] + [(0, 0)] * (x.ndim - 2))
+    return jax.tree.map(pad, rows), rest
+
+  def run(micro):
+    valid = micro["valid"]
+    used = jnp.max(jnp.where(valid, jnp.arange(valid.shape[1]) + 1, 0))
+    index = jnp.sum(jnp.asarray(lengths[:-1]) < used)
+    return jax.lax.switch(index, [functools.partial(cut_to, n) for n in lengths], micro)
+  return run
 
 
 def _constrain_rows(tree: Any, mesh: Mesh | None, row_axis: int) -> Any:
@@ -331,8 +390,8 @@ def critic_loss(params: Params, micro: Batch, denominator: jax.Array, *,
 
 
 def accumulate_gradients(loss_fn: Callable, params: Params, minibatch: Batch,
-                         denominator: jax.Array, num_micro: int, mesh: Mesh | None = None
-                         ) -> tuple[jax.Array, Params, dict]:
+                         denominator: jax.Array, num_micro: int, mesh: Mesh | None = None,
+                         micro_lengths: int = 1) -> tuple[jax.Array, Params, dict]:
   """Σ over micro-batches of (loss, grad, aux) of loss_fn(params, micro, denominator).
 
   With a denominator computed from the whole minibatch, the sum equals the loss and gradient
@@ -346,6 +405,8 @@ def accumulate_gradients(loss_fn: Callable, params: Params, minibatch: Batch,
     denominator: scalar, the global aggregation denominator.
     num_micro: micro-batches.
     mesh: when given, micro-batch rows stay split over its data-parallel axes.
+    micro_lengths: row lengths a micro-batch may run at (`micro_length_choices`); aux's
+      per-row arrays are then [m, L, ...].
   Returns:
     (loss, grads like params, aux): the scalars summed over micro-batches, the per-row arrays
     [M, ...] in the minibatch's row order.
@@ -356,10 +417,17 @@ def accumulate_gradients(loss_fn: Callable, params: Params, minibatch: Batch,
   split_aux = lambda aux: ({k: v for k, v in aux.items() if not v.ndim},
                            {k: v for k, v in aux.items() if v.ndim})
 
-  def body(carry, micro):
+  def micro_gradients(micro):
     (loss, aux), grads = grad_fn(params, micro, denominator)
     sums, rows = split_aux(aux)
-    return jax.tree.map(jnp.add, carry, (loss, grads, sums)), rows
+    return rows, (loss, grads, sums)
+
+  lengths = micro_length_choices(minibatch["valid"].shape[1], micro_lengths)
+  gradients = at_used_length(micro_gradients, lengths)
+
+  def body(carry, micro):
+    rows, summed = gradients(micro)
+    return jax.tree.map(jnp.add, carry, summed), rows
 
   loss0, aux0 = jax.eval_shape(loss_fn, params, jax.tree.map(lambda x: x[0], micros),
                                denominator)
@@ -450,7 +518,7 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
     denominator = losses.aggregation_denominator(minibatch["loss_mask"], cfg.algo.loss_agg_mode,
                                                  seq_tokens=minibatch.get("seq_tokens"))
     loss, grads, aux = accumulate_gradients(policy_fn, policy, minibatch, denominator,
-                                            cfg.microbatches, mesh)
+                                            cfg.microbatches, mesh, cfg.micro_lengths)
     policy, opt_state, grad_norm, skipped = _apply_if_finite(
         optimizers.policy, policy, opt_state, grads, loss)
     gap = (logprob_gap(aux.pop("logprobs"), minibatch["rollout_logprobs"],
@@ -463,7 +531,7 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
                     "actor/lr": optimizers.policy_lr(index)})
     if critic_fn is not None:
       loss, grads, aux = accumulate_gradients(critic_fn, critic, minibatch, denominator,
-                                              cfg.microbatches, mesh)
+                                              cfg.microbatches, mesh, cfg.micro_lengths)
       critic, critic_opt_state, grad_norm, skipped = _apply_if_finite(
           optimizers.critic, critic, critic_opt_state, grads, loss)
       tokens = jnp.maximum(aux.pop("tokens"), 1.0)
@@ -499,10 +567,10 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
 # ----- scoring passes ------------------------------------------------------------------------
 
 
-def make_scorers(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
-                 temperature: float, chunks: int, mesh: Mesh, compute_dtype: str = "float32"
-                 ) -> tuple[Callable, Callable | None]:
-  """Jitted forward passes over a rollout batch, `chunks` micro-batches at a time, in the
+def make_scorers(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None, cfg: UpdateConfig,
+                 mesh: Mesh) -> tuple[Callable, Callable | None]:
+  """Jitted forward passes over a rollout batch, as many micro-batches at a time as the
+  update's minibatches x microbatches, each at its own length (`cfg.micro_lengths`), in the
   update's compute dtype (so old log-probs are the update's at its first step).
 
   Returns:
@@ -514,23 +582,32 @@ def make_scorers(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
     Both take rows split over the data axes and return them the same way.
   """
   rows_spec = NamedSharding(mesh, P(sharding_lib.BATCH_AXES))
+  chunks = cfg.minibatches * cfg.microbatches
 
-  def scan_rows(fn, params, *rows):
+  def scan_rows(fn, params, tokens, valid, positions=None):
+    rows = {"tokens": tokens, "valid": valid}
+    if positions is not None:
+      rows["scored_positions"] = positions
     micros = _constrain_rows(split_micro(rows, chunks), mesh, row_axis=1)
-    _, out = jax.lax.scan(lambda c, micro: (c, fn(params, *micro)), None, micros)
+    run = at_used_length(lambda micro: (fn(params, micro), None),
+                         micro_length_choices(tokens.shape[1], cfg.micro_lengths))
+    _, out = jax.lax.scan(lambda c, micro: (c, run(micro)[0]), None, micros)
     return merge_micro(out)
 
-  def logprob_fn(params, tokens, valid, positions):
-    model = nnx.merge(policy_def, as_compute(params, compute_dtype))
-    return sequence_logprobs_and_entropy(model, tokens, valid, temperature, positions)[0]
+  def logprob_fn(params, micro):
+    model = nnx.merge(policy_def, as_compute(params, cfg.compute_dtype))
+    return sequence_logprobs_and_entropy(model, micro["tokens"], micro["valid"],
+                                         cfg.temperature, micro.get("scored_positions"))[0]
 
   logprobs = jax.jit(sharding_lib.traced_under(mesh, functools.partial(scan_rows, logprob_fn)),
                      in_shardings=(None, rows_spec, rows_spec, rows_spec),
                      out_shardings=rows_spec)
   if critic_def is None:
     return logprobs, None
-  value_fn = functools.partial(critic_values, graphdef=critic_def, compute_dtype=compute_dtype)
-  values = jax.jit(sharding_lib.traced_under(
-      mesh, functools.partial(scan_rows, lambda p, t, v: value_fn(p, tokens=t, valid=v))),
+
+  def value_fn(params, micro):
+    return critic_values(params, critic_def, micro["tokens"], micro["valid"], cfg.compute_dtype)
+
+  values = jax.jit(sharding_lib.traced_under(mesh, functools.partial(scan_rows, value_fn)),
                    in_shardings=(None, rows_spec, rows_spec), out_shardings=rows_spec)
   return logprobs, values
