@@ -181,9 +181,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   def run_eval(step: int) -> dict[str, float]:
     # The command line's evaluation of this step's checkpoint: same settings, key and report.
     # One key for every evaluation of the run, so checkpoints are compared on the same
-    # sampling noise and a change between them is the policy's.
-    result = evaluate.evaluate(env, eval_settings, split.policy_def, state.policy, tok,
-                               pool, rng=evaluate.eval_key(config.seed), mesh=mesh)
+    # sampling noise and a change between them is the policy's. Sampled with the rollout's
+    # copy of the weights, in the compute dtype on each host's rollout mesh: on the train
+    # mesh's FSDP layout a 7B decode does not fit a v5e chip (docs/tpu.md).
+    params = batches.rollout_params(inputs, state.policy)
+    result = evaluate.evaluate(env, eval_settings, split.policy_def, params, tok, pool,
+                               rng=evaluate.eval_key(config.seed),
+                               mesh=sharding_lib.mesh_of(params))
+    del params
     if jax.process_index() == 0:
       evaluate.write_report(result, os.path.join(workdir, EVAL_DIR, f"step_{step}"),
                             evaluate.checkpoint_label(workdir, step), eval_settings.split)
