@@ -7,6 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -873,3 +874,22 @@ def test_scorers_at_each_micro_batchs_length_give_the_whole_rows_log_probs(monke
 def test_update_config_rejects_no_micro_batch_length():
   with pytest.raises(ValueError, match="algo.microbatch_lengths must be >= 1"):
     update_lib.UpdateConfig.from_config(_config(microbatch_lengths=0))
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_both_forms_of_a_skippable_step_compute_the_same(finite):
+  """update._apply_if_finite lowers the cond on CPU and the select elsewhere (TPU): both
+  step, or both leave parameters and AdamW moments as they were."""
+  (_, params), _ = _models()
+  tx = optax.adamw(1e-2)
+  opt_state = tx.init(params)
+  opt_state = tx.update(jax.tree.map(jnp.ones_like, params), opt_state, params)[1]
+  grads = jax.tree.map(lambda x: 0.1 * jnp.ones_like(x), params)
+  flag = jnp.asarray(finite)
+  got = {form: jax.jit(functools.partial(update_lib.step_unless, tx, form=form))(
+      flag, grads, params, opt_state) for form in ("cond", "select")}
+  for a, b in zip(jax.tree.leaves(got["cond"]), jax.tree.leaves(got["select"])):
+    np.testing.assert_array_equal(a, b)
+  moved = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got["cond"]),
+                                                        jax.tree.leaves((params, opt_state))))
+  assert moved == finite
