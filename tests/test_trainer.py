@@ -160,6 +160,71 @@ def test_resume_is_exact_across_a_scaling_inter_phase(smoke, compile_cache, tmp_
     assert f_a.read() == f_b.read()  # identical final parameters, bit for bit
 
 
+# ----- a budget of trained tokens (config.total_tokens) ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def budgeted(smoke, compile_cache, tmp_path_factory):
+  """The smoke run's config for at most 4 steps, with a budget of one token more than its first
+  step trained: the budget is reached at step 2 (same seed, same batches as the smoke run)."""
+  budget = int(smoke[1][1]["update/trained_tokens"]) + 1
+  workdir = str(tmp_path_factory.mktemp("budget") / "run")
+  train(workdir, compile_cache, *SCALING, "--config.total_steps=4",
+        f"--config.total_tokens={budget}")
+  return workdir, budget
+
+
+def test_a_token_budget_ends_the_run_at_the_step_that_reaches_it(smoke, budgeted):
+  workdir, budget = budgeted
+  lines = metrics(workdir)
+  assert [m["step"] for m in lines] == [0, 1, 2]
+  totals = [m["update/trained_tokens_total"] for m in lines[1:]]
+  assert totals[0] < budget <= totals[1]
+  assert totals[1] == sum(m["update/trained_tokens"] for m in lines[1:])
+  # The last step is checkpointed, evaluated and exported as total_steps' would be, and the
+  # two steps are the smoke run's (which had no budget).
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
+  assert lines[2]["eval/num_tasks"] == 4.0
+  assert os.path.exists(os.path.join(workdir, "hf", "model.safetensors"))
+  with open(os.path.join(workdir, "checkpoints", "2", "meta", "metadata")) as f:
+    assert json.load(f)[loop.TOKENS_KEY] == totals[1]
+  for line_a, line_b in zip(lines, metrics(smoke[0]), strict=True):
+    assert training_metrics(line_a) == training_metrics(line_b), line_a["step"]
+
+
+def test_a_resumed_run_stops_at_the_budget_s_step(smoke, budgeted, compile_cache, tmp_path):
+  """The smoke run as if stopped after checkpoint 1 (checkpoint 2 removed), resumed with the
+  budget: it counts step 1's tokens from the checkpoint and stops at step 2 as the
+  uninterrupted run did."""
+  workdir, budget = str(tmp_path / "resumed"), budgeted[1]
+  shutil.copytree(smoke[0], workdir)
+  shutil.rmtree(os.path.join(workdir, "checkpoints", "2"))
+  train(workdir, compile_cache, *SCALING, "--config.total_steps=4",
+        f"--config.total_tokens={budget}")
+  lines = metrics(workdir)
+  assert [m["step"] for m in lines] == [0, 1, 2]
+  for line_a, line_b in zip(lines, metrics(budgeted[0]), strict=True):
+    assert training_metrics(line_a) == training_metrics(line_b), line_a["step"]
+
+
+@pytest.mark.slow  # one more trainer process; the stop itself is tested above
+def test_a_run_past_its_budget_resumes_to_no_steps(budgeted, compile_cache, tmp_path):
+  workdir = str(tmp_path / "done")
+  shutil.copytree(budgeted[0], workdir)
+  before = metrics(workdir)
+  train(workdir, compile_cache, *SCALING, "--config.total_steps=4",
+        f"--config.total_tokens={budgeted[1]}")
+  assert metrics(workdir) == before
+
+
+def test_a_negative_token_budget_is_a_one_line_error(tmp_path):
+  c = base.base_config()
+  c.total_tokens = -1
+  with pytest.raises(ValueError, match=r"^total_tokens must be >= 0 .*got -1\.$"):
+    loop.train(c, str(tmp_path))
+  assert not os.listdir(tmp_path)  # refused before anything was written
+
+
 @pytest.mark.parametrize("algo,agg", [
     ("gigpo", "seq-mean-token-sum-norm"),
     # The critic's turn-level path; gigpo's run covers the resume and the phase change.

@@ -79,6 +79,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.seed = 0
   # Trainer steps; one step = one rollout batch + one update (epochs x minibatches).
   c.total_steps = 200
+  # A budget of trained tokens (0 = none): the run ends after the first step at which the
+  # cumulative update/trained_tokens (each step's valid tokens x epochs) reaches it, so runs
+  # whose episodes differ in length (turn-limit schedules) compare at equal training compute;
+  # total_steps still caps it (and sets the learning-rate decay's length). The count is saved
+  # in each checkpoint and logged as update/trained_tokens_total. Such a last step is
+  # checkpointed and evaluated as total_steps' is, but its trajectories are saved only if
+  # log.trajectories_every falls on it (they are chosen before the step runs).
+  c.total_tokens = 0
   # "rl": each step's batch is rolled out by the policy and trained with the algorithm below.
   # "bc": behaviour cloning; each step's batch is data.batch_tasks x data.group_size
   # demonstrations of the environment's expert (see `bc`), trained with cross-entropy on the

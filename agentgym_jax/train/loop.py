@@ -1,8 +1,9 @@
 """The trainer: rollout -> scoring -> advantages -> update -> metrics -> checkpoint, per step.
 
-`train(config, workdir)` runs `config.total_steps` steps; called again with the same workdir
-it resumes from the newest complete checkpoint, with the same parameters, optimizer moments,
-task order and random numbers as an uninterrupted run.
+`train(config, workdir)` runs `config.total_steps` steps, or fewer when a budget of trained
+tokens (`config.total_tokens`) is reached first; called again with the same workdir it resumes
+from the newest complete checkpoint, with the same parameters, optimizer moments, task order,
+turn-limit schedule, tokens trained and random numbers as an uninterrupted run.
 
 A run stops early, after saving a checkpoint of the step it finished, when it is preempted
 (SIGTERM, or JAX's preemption notice on a pod: `multihost.preempted`; `train` returns, the
@@ -62,15 +63,23 @@ from agentgym_jax.train import update as update_lib
 
 # In-loop evaluation reports, one folder per step, inside the workdir.
 EVAL_DIR = "eval"
+# The checkpoint meta's key of the tokens trained so far (what `config.total_tokens` budgets).
+TOKENS_KEY = "trained_tokens"
 
 
 class EnvironmentFailing(RuntimeError):
   """The run stopped because most of its episodes kept failing; the message is one line."""
 
 
-def _due(step: int, every: int, total: int) -> bool:
-  """Whether an every-N action runs after `step` (1-based count of completed steps)."""
-  return every > 0 and (step % every == 0 or step == total)
+def _due(step: int, every: int, final: bool) -> bool:
+  """Whether an every-N action runs after `step` (1-based count of completed steps), `final`
+  if it is the run's last."""
+  return every > 0 and (step % every == 0 or final)
+
+
+def _budget_spent(config: ml_collections.ConfigDict, tokens: int) -> bool:
+  """Whether `tokens` trained reach the run's token budget (never, without one)."""
+  return config.total_tokens > 0 and tokens >= config.total_tokens
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
@@ -79,6 +88,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
   On several hosts every process calls this with the same arguments (agentgym_jax/multihost.py
   says who does what)."""
+  if config.total_tokens < 0:
+    raise ValueError(f"total_tokens must be >= 0 (a budget of trained tokens; 0 = none), got "
+                     f"{config.total_tokens}.")
   ##############################################################################################
   #                                   Workdir and run info                                     #
   ##############################################################################################
@@ -154,8 +166,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   # Precedence: the workdir's newest checkpoint; otherwise the initial state built above.
   ckpt = checkpoints.Checkpointer(os.path.join(workdir, policies.CHECKPOINT_DIR),
                                   config.checkpoint.keep)
-  state, cursor, horizon = _resume(ckpt, state, config, workdir)
+  state, cursor, horizon, tokens = _resume(ckpt, state, config, workdir)
   start_step = int(jax.device_get(state.step))
+  # A resumed run that had reached its token budget has no steps left.
+  end_step = start_step if _budget_spent(config, tokens) else config.total_steps
   writer = (metrics_lib.MetricWriter(workdir, resume_step=start_step)
             if jax.process_index() == 0 else None)
   eval_settings = settings_lib.evaluation(config)
@@ -176,7 +190,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
   def meta_at(cursor: int) -> dict[str, Any]:
     return {"data_cursor": cursor, "tokenizer": config.tokenizer.spec, "env": config.env.name,
-            schedule.META_KEY: horizon.to_meta()}
+            schedule.META_KEY: horizon.to_meta(), TOKENS_KEY: tokens}
 
   def run_eval(step: int) -> dict[str, float]:
     # The command line's evaluation of this step's checkpoint: same settings, key and report.
@@ -214,14 +228,17 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   progress = tqdm.tqdm(total=config.total_steps, initial=start_step, desc="train",
                        disable=not config.log.progress_bar, dynamic_ncols=True)
   try:
-    for step in range(start_step, config.total_steps):
+    for step in range(start_step, end_step):
       clock = [time.perf_counter()]
       done = step + 1
       max_turns = schedule.max_turns(turn_limits, step, horizon)
       # A saved step records what regenerates its episodes (agentgym_jax/replay.py).
-      saving = _due(done, config.log.trajectories_every, config.total_steps)
+      saving = _due(done, config.log.trajectories_every, done == config.total_steps)
       got = make_batch(inputs, state, step, cursor, max_turns, saving)
       cursor = got.cursor
+      tokens += got.trained_tokens * config.algo.epochs
+      # The run's last step: total_steps', or the first to reach the token budget.
+      final = done == config.total_steps or _budget_spent(config, tokens)
       horizon = schedule.advance(turn_limits, horizon, step, got.metrics)
       # Programs hold host memory (freed_memory.py). Dropped here, between the batch and the
       # update, the rollout's are not held through the update's peak; an asynchronous run's
@@ -245,7 +262,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       elif failing_steps >= config.env.max_failed_steps:
         stopped = "failing"
 
-      if _due(done, config.checkpoint.every_steps, config.total_steps) or stopped:
+      if _due(done, config.checkpoint.every_steps, final) or stopped:
         ckpt.save(done, state, meta_at(cursor))
         multihost.check_replicas_agree(share, state.policy, f"Step {done}")
       if saving and jax.process_index() == 0:
@@ -254,13 +271,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
                                replay=got.replay)
       clock.append(time.perf_counter())
       eval_metrics = run_eval(done) if _due(done, config.eval.every_steps,
-                                            config.total_steps) and not stopped else {}
+                                            final) and not stopped else {}
       clock.append(time.perf_counter())
 
       compile_metrics = compiles.take()
       last = step_metrics(got, update_metrics, eval_metrics, clock, compile_metrics,
-                          inputs=inputs, max_turns=max_turns)
-      if writer and _due(done, config.log.every_steps, config.total_steps):
+                          inputs=inputs, max_turns=max_turns, tokens=tokens)
+      if writer and _due(done, config.log.every_steps, final):
         writer.write(done, last)
       progress.update(1)
       progress.set_postfix(_progress_fields(last, max_turns))
@@ -268,7 +285,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         _report_eval(done, eval_metrics)
       if got.host.failed.any():  # demonstrations never fail: behaviour cloning skips this
         _report_failures(got, done, failing_steps, config, stop=stopped == "failing")
-      if stopped:
+      if stopped or final:
         break
   finally:
     # A crash must not lose a checkpoint that is still being written.
@@ -305,10 +322,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
 
 def _resume(ckpt: checkpoints.Checkpointer, state: state_lib.TrainState,
             config: ml_collections.ConfigDict, workdir: str
-            ) -> tuple[state_lib.TrainState, int, schedule.Progress]:
-  """The newest complete checkpoint's state, task cursor and turn-limit schedule's progress,
-  or (`state`, 0, its start) in a new run; says on the console which one (and any checkpoint
-  left half-written)."""
+            ) -> tuple[state_lib.TrainState, int, schedule.Progress, int]:
+  """The newest complete checkpoint's state, task cursor, turn-limit schedule's progress and
+  tokens trained, or (`state`, 0, its start, 0) in a new run; says on the console which one
+  (and any checkpoint left half-written)."""
   latest = ckpt.latest_step()
   if ckpt.interrupted and jax.process_index() == 0:
     print(f"Checkpoint {', '.join(map(str, ckpt.interrupted))} in {ckpt.directory} was not "
@@ -316,7 +333,7 @@ def _resume(ckpt: checkpoints.Checkpointer, state: state_lib.TrainState,
           + (f"resuming from checkpoint {latest}, the last complete one." if latest is not None
              else "no complete checkpoint: starting from scratch."), flush=True)
   if latest is None:
-    return state, 0, schedule.Progress()
+    return state, 0, schedule.Progress(), 0
   if jax.process_index() == 0:
     print(f"Resuming from step {latest} ({os.path.join(ckpt.directory, str(latest))})",
           flush=True)
@@ -324,15 +341,22 @@ def _resume(ckpt: checkpoints.Checkpointer, state: state_lib.TrainState,
   if meta.get("tokenizer") != config.tokenizer.spec:
     raise ValueError(f"The checkpoint in {workdir} was trained with tokenizer "
                      f"{meta.get('tokenizer')!r}, the config says {config.tokenizer.spec!r}.")
-  return state, int(meta["data_cursor"]), schedule.Progress.from_meta(meta.get(schedule.META_KEY))
+  if TOKENS_KEY not in meta and config.total_tokens:
+    raise ValueError(f"The checkpoint in {workdir} does not record the tokens trained (it "
+                     "predates total_tokens): resume it without a token budget "
+                     "(--config.total_tokens=0).")
+  return (state, int(meta["data_cursor"]),
+          schedule.Progress.from_meta(meta.get(schedule.META_KEY)), int(meta.get(TOKENS_KEY, 0)))
 
 
 def step_metrics(got: batches.StepBatch, update_metrics: dict[str, Any],
                  eval_metrics: dict[str, float], clock: list[float],
                  compile_metrics: dict[str, float], *, inputs: batches.StepInputs,
-                 max_turns: int) -> dict[str, float]:
+                 max_turns: int, tokens: int) -> dict[str, float]:
   """Everything a step logs: its batch's statistics, the update's, the schedule, throughput,
   the time of each phase, the executables it built and the evaluation's results.
+
+  `tokens`: the tokens trained by the run up to and including this step.
 
   `clock` holds the times at the step's start and after its batch, update, checkpoint and
   evaluation; the batch's own phases (rollout, scoring, advantages) are in `got.metrics`.
@@ -350,6 +374,7 @@ def step_metrics(got: batches.StepBatch, update_metrics: dict[str, Any],
       "schedule/max_turns": float(max_turns),
       "schedule/phase": float(schedule.phase_of(inputs.schedule, max_turns)),
       "update/trained_tokens": float(got.trained_tokens * config.algo.epochs),
+      "update/trained_tokens_total": float(tokens),
       "update/tokens_per_s": got.trained_tokens * config.algo.epochs / max(updated - batched,
                                                                            1e-9),
       "data/cursor": float(got.cursor),
