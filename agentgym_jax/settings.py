@@ -253,12 +253,16 @@ def evaluation(config: ml_collections.ConfigDict, **overrides: Any) -> EvalSetti
   """The config's evaluation settings, with the `overrides` that are not None (the command
   line's flags).
 
-  The turn limit defaults to the schedule's longest horizon: the turn budget the trained agent
-  is meant for.
+  The turn limit is eval.max_turns, by default (0) the schedule's longest horizon: the turn
+  budget the trained agent is meant for.
   """
+  if config.eval.max_turns < 0:
+    raise ValueError(f"eval.max_turns must be >= 0 (0 = the schedule's longest horizon), got "
+                     f"{config.eval.max_turns}.")
   settings = EvalSettings(
       split=config.eval.split, num_tasks=config.eval.num_tasks,
-      num_samples=config.eval.group_size, max_turns=max(config.schedule.horizons),
+      num_samples=config.eval.group_size,
+      max_turns=config.eval.max_turns or max(config.schedule.horizons),
       temperature=config.eval.temperature, max_reply_tokens=config.rollout.max_reply_tokens,
       rollout=rollout(config), rows=config.data.batch_tasks * config.data.group_size,
       seed=config.seed)

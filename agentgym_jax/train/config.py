@@ -406,6 +406,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Samples per task (Avg@n / Pass@n) and their sampling temperature (0 = greedy).
   c.eval.group_size = 1
   c.eval.temperature = 0.0
+  # Turn limit of the held-out episodes; 0 = the schedule's longest horizon (a horizon study
+  # evaluates every schedule at one limit).
+  c.eval.max_turns = 0
   return c
 
 
