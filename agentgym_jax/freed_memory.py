@@ -21,9 +21,12 @@ width and cache length, a decode loop, an update) keeps about 40 MiB of SmolLM2-
 while JAX holds it, and a run meets a new shape every few steps, so resident memory climbs by
 hundreds of MiB a step. `release_programs()` drops them all; the next call of each jitted
 function traces again and loads its program from the persistent compilation cache
-(agentgym_jax/caches.py) instead of compiling it. The trainer calls it between a step's batch
-and its update once `compile.max_programs` programs have been built since the last release, so
-that the rollout's programs are not held through the update's peak.
+(agentgym_jax/caches.py) instead of compiling it. A `ProgramBudget` does so once
+`compile.max_programs` programs have been built since its last release, at the safe points that
+ask it (`release_if_over_budget`): between a step's batch and its update, so that the rollout's
+programs are not held through the update's peak, and between the turns of a rollout, so that a
+held-out evaluation of many tasks (each turn a new extend width and cache length: 100 programs
+in one evaluation of the main job) does not hold them all.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import gc
 import logging
 import os
 import platform
+from typing import Callable
 
 # mallopt's parameter numbers (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -65,3 +69,45 @@ def release_programs() -> None:
   gc.collect()
   if platform.libc_ver()[0] == "glibc":
     ctypes.CDLL(None).malloc_trim(0)
+
+
+class ProgramBudget:
+  """Drops every program (`release_programs`) once more than `max_programs` were built since the
+  last drop, when asked at a point where no traced function is running (`check`).
+
+  `built` counts the executables the process has built so far (`caches.CompileCounter.built`).
+  """
+
+  def __init__(self, max_programs: int, built: Callable[[], int]):
+    if max_programs < 1:
+      raise ValueError(f"ProgramBudget: max_programs must be >= 1, got {max_programs}.")
+    self.max_programs, self._built = max_programs, built
+    self._released_at = built()
+    self.releases = 0
+
+  def check(self) -> bool:
+    """Releases when over budget; True when it did."""
+    if self._built() - self._released_at <= self.max_programs:
+      return False
+    release_programs()
+    self._released_at = self._built()
+    self.releases += 1
+    return True
+
+
+# The process's budget (None: programs are kept), set by the trainer for its synchronous loop.
+_budget: ProgramBudget | None = None
+
+
+def set_program_budget(budget: ProgramBudget | None) -> None:
+  """Makes `budget` the one `release_if_over_budget` asks (None: keep every program). Only a
+  process whose jitted functions all run on one thread may set one: a release while another
+  thread traces or runs would race it."""
+  global _budget
+  _budget = budget
+
+
+def release_if_over_budget() -> None:
+  """A safe point (no traced function running): drops the programs if the budget says so."""
+  if _budget is not None:
+    _budget.check()

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import environments
+from agentgym_jax import caches, freed_memory
 from agentgym_jax.models import Decoder, ModelConfig
 from agentgym_jax.rollout import RolloutSettings, SamplingConfig, run_episodes, save_jsonl
 from agentgym_jax.rollout import records as records_lib
@@ -609,3 +610,22 @@ def test_bad_arguments(tok, model):
     RolloutSettings(group_size=0)
   with pytest.raises(ValueError, match="history_turns must be >= 0"):
     RolloutSettings(history_turns=-1)
+
+
+def test_programs_past_the_budget_go_between_turns_and_the_samples_stay(tok, model):
+  """freed_memory.ProgramBudget: a rollout drops the programs past the budget between its turns
+  (the next turns load them again) and samples what it samples keeping them."""
+  graphdef, state = nnx.split(model)
+  settings = RolloutSettings(sampling=GREEDY, max_turns=3, max_context=1024, compact=False)
+  run = lambda: run_episodes((graphdef, state), tok, FakePool(), [1, 2, 3, 6], settings, rng=0)
+  want, _ = run()
+  freed_memory.release_programs()  # so that each turn builds its programs again
+  budget = freed_memory.ProgramBudget(1, caches.CompileCounter().built)
+  freed_memory.set_program_budget(budget)
+  try:
+    got, _ = run()
+  finally:
+    freed_memory.set_program_budget(None)
+  assert budget.releases >= 2  # one in each of the 2 gaps between the 3 turns
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.sample_logprobs, want.sample_logprobs)

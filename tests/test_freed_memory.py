@@ -66,3 +66,29 @@ def test_released_programs_are_built_again_and_give_the_same_result():
   freed_memory.release_programs()
   assert f._cache_size() == 0
   assert (f(x) == before).all() and f._cache_size() == 1
+
+
+def test_a_program_budget_releases_only_past_its_size(monkeypatch):
+  built = [0]
+  releases = []
+  monkeypatch.setattr(freed_memory, "release_programs", lambda: releases.append(built[0]))
+  budget = freed_memory.ProgramBudget(3, lambda: built[0])
+  built[0] = 3
+  assert not budget.check() and releases == []  # 3 built: within the budget
+  built[0] = 4
+  assert budget.check() and releases == [4]  # past it: released, counting from here
+  built[0] = 7
+  assert not budget.check()
+  built[0] = 8
+  assert budget.check() and releases == [4, 8] and budget.releases == 2
+  freed_memory.set_program_budget(budget)
+  try:
+    built[0] = 12
+    freed_memory.release_if_over_budget()
+    assert releases == [4, 8, 12]
+  finally:
+    freed_memory.set_program_budget(None)
+  freed_memory.release_if_over_budget()  # no budget: nothing happens
+  assert releases == [4, 8, 12]
+  with pytest.raises(ValueError, match="max_programs must be >= 1"):
+    freed_memory.ProgramBudget(0, lambda: 0)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from agentgym_jax import caches
 from agentgym_jax import cli
 from agentgym_jax import freed_memory
 from agentgym_jax import multihost
@@ -88,6 +89,9 @@ def main(argv: Sequence[str]) -> None:
   check_policy_flags(_FLAGS["checkpoint"].value, _FLAGS["hf_model"].value)
   freed_memory.return_freed_memory()
   cli.use_compilation_cache(config.compile.cache_dir)
+  if config.compile.max_programs:  # as the trainer: dropped between turns past that many
+    freed_memory.set_program_budget(freed_memory.ProgramBudget(
+        config.compile.max_programs, caches.CompileCounter().built))
   multihost.maybe_initialize_distributed()
   output = _FLAGS["output"].value
   writer = jax.process_index() == 0

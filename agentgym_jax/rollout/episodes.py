@@ -72,6 +72,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from agentgym_jax import freed_memory
 from agentgym_jax import sharding
 from agentgym_jax.rollout import window
 from agentgym_jax.rollout.batch import DecodeBatch, replica_meshes, state_on
@@ -336,6 +337,11 @@ def _lockstep(host: _Episodes, batches: list[DecodeBatch], pool: Any, compact: b
     finished_at[turn] = time.perf_counter()
     if on_ended is not None:
       on_ended(num_running - int(host.running.sum()))
+    if not queue:
+      # No batch decodes now (one replica, between its turns): the next turn's chunk widths
+      # and cache lengths are new shapes, and what the finished turns built may go
+      # (freed_memory.ProgramBudget).
+      freed_memory.release_if_over_budget()
     if (live := host.begin_turn(batch, compact)) is not None:
       queue.append((batch, live, turn + 1))
   ends = [start] + [finished_at[turn] for turn in sorted(finished_at)]

@@ -362,10 +362,11 @@ def base_config() -> ml_collections.ConfigDict:
   # $XDG_CACHE_HOME if set). Read by the command lines at start, not by `loop.train`.
   c.compile.cache_dir = caches.default_compilation_cache_dir()
   # Programs built (compiled or loaded) since the last release after which the trainer drops
-  # them all, between a step's batch and its update (agentgym_jax/freed_memory.py
-  # `release_programs`; the next step reloads what it runs from the compilation cache): on CPU
-  # each of a real model's executables holds tens of MiB of host memory. 0 keeps every program
-  # (the default: on accelerators their host memory is small and a reload costs more).
+  # them all (agentgym_jax/freed_memory.py `ProgramBudget`), at its safe points: between a
+  # step's batch and its update, and between the turns of a rollout or an evaluation; what runs
+  # next is reloaded from the compilation cache. On CPU each of a real model's executables
+  # holds tens of MiB of host memory. 0 keeps every program (the default: on accelerators their
+  # host memory is small and a reload costs more). Synchronous runs only.
   c.compile.max_programs = 0
 
   # ----- mesh --------------------------------------------------------------------------------

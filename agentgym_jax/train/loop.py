@@ -99,7 +99,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   # Executables built from here on: each step's metrics count those since the step before, so
   # the first step's include the start-up's (the model's init, the starting evaluation).
   compiles = caches.CompileCounter()
-  released_at = 0  # compiles.built() at the last release of programs (compile.max_programs)
   os.makedirs(workdir, exist_ok=True)
   if jax.process_index() == 0:
     metrics_lib.write_run_info(workdir, config)
@@ -219,6 +218,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   stopped = ""  # why the run stopped before total_steps: "preempted" or "failing"
   failing_steps = 0  # consecutive steps with more than env.max_failed_fraction failed
   run_start = time.perf_counter()
+  # Programs hold host memory (freed_memory.py): past compile.max_programs built since the last
+  # release, they are dropped at the safe points (between a step's batch and its update, and
+  # between a rollout's turns, evaluations' included). An asynchronous run's rollout thread may
+  # trace at any time, so only the synchronous loop drops them.
+  freed_memory.set_program_budget(
+      freed_memory.ProgramBudget(config.compile.max_programs, compiles.built)
+      if config.compile.max_programs and not rollouts else None)
   if start_step == 0 and config.eval.every_steps > 0 and config.eval.at_start:
     # The starting point's held-out score: the "before" of the run's before/after line.
     initial = run_eval(0)
@@ -240,13 +246,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       # The run's last step: total_steps', or the first to reach the token budget.
       final = done == config.total_steps or _budget_spent(config, tokens)
       horizon = schedule.advance(turn_limits, horizon, step, got.metrics)
-      # Programs hold host memory (freed_memory.py). Dropped here, between the batch and the
-      # update, the rollout's are not held through the update's peak; an asynchronous run's
-      # rollout thread may be tracing, so only the synchronous loop drops them.
-      if (config.compile.max_programs and not rollouts
-          and compiles.built() - released_at > config.compile.max_programs):
-        freed_memory.release_programs()
-        released_at = compiles.built()
+      # Between the batch and the update: the rollout's programs are not held through the
+      # update's peak.
+      freed_memory.release_if_over_budget()
       clock.append(time.perf_counter())
       state, update_metrics = update_step(state, got.batch)
       if rollouts:
@@ -288,6 +290,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       if stopped or final:
         break
   finally:
+    freed_memory.set_program_budget(None)
     # A crash must not lose a checkpoint that is still being written.
     progress.close()
     if rollouts:
