@@ -1,17 +1,22 @@
 """The SmolLM2 study (experiments/smollm2): its configs, its bad-input check, its RL stage.
 
-The fast tests build every stage's config and run the trainer on a missing starting
-checkpoint; the slow one reruns the study's BC and RL stages (BC, then Dr.GRPO), evaluated on
-fewer tasks, and checks the greedy gain the study measured (experiments/smollm2/README.md).
+The fast tests build every stage's config, every horizon of the horizon study's, run the
+trainer on a missing starting checkpoint and the horizon study's runlocal with a tiny model;
+the slow ones run that runlocal with SmolLM2 after BC's, and rerun the study's BC and RL stages
+(BC, then Dr.GRPO), evaluated on fewer tasks, and check the greedy gain the study measured
+(experiments/smollm2/README.md).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 
 import pytest
 
 from test_trainer import metrics, run_cli
+
+from agentgym_jax import caches
 
 CONFIG = "experiments/smollm2/babyai.py"
 
@@ -86,6 +91,92 @@ def test_missing_init_checkpoint_stops_at_start_naming_it(tmp_path):
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("FATAL: init_from=") and missing in last, last
   assert "Traceback" not in result.stderr, result.stderr[-2000:]  # one line, not a traceback
+
+
+# ----- the horizon study (horizons.py) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("runlocal", ["", ",runlocal"])
+def test_every_horizon_builds_and_locks_with_one_token_budget(runlocal):
+  from agentgym_jax import settings as settings_lib  # pylint: disable=import-outside-toplevel
+  from experiments.smollm2 import horizons  # pylint: disable=import-outside-toplevel
+  configs = {h: horizons.get_config(f"horizon={h},init=/tmp/bc,seed=2{runlocal}")
+             for h in horizons.HORIZONS}
+  longest = 2 if runlocal else horizons.LONG
+  for c in configs.values():
+    assert c.is_locked and c.init_from == "/tmp/bc" and c.seed == 2
+    assert c.env.name == "textcraft" and c.data.categories == ()  # both depths trained
+    assert c.total_tokens == horizons.TOKEN_BUDGET
+    assert settings_lib.evaluation(c).max_turns == longest  # one held-out limit for all
+    assert not c.algo.dynamic_sampling
+    settings_lib.schedule(c)  # a valid schedule
+  turns = {h: tuple(c.schedule.horizons) for h, c in configs.items()}
+  if runlocal:
+    assert turns == {"short": (1,), "long": (2,), "scaling_inter": (1, 2), "evidence": (1, 2)}
+  else:
+    assert turns == {"short": (4,), "long": (10,), "scaling_inter": (4, 7, 10),
+                     "evidence": (4, 7, 10)}
+  assert configs["scaling_inter"].schedule.advance == "steps"
+  assert configs["evidence"].schedule.advance == "success"
+  # Every field but the schedule's is the same in the four runs.
+  fields = [{k: v for k, v in c.to_dict().items() if k != "schedule"} for c in configs.values()]
+  assert all(f == fields[0] for f in fields)
+
+
+@pytest.mark.parametrize("arg", ["horizon=short", "horizon=medium,init=/tmp/bc"])
+def test_horizon_study_rejects_bad_arguments(arg):
+  from experiments.smollm2 import horizons  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError):
+    horizons.get_config(arg)
+
+
+def test_horizon_sweep_is_every_horizon_by_three_seeds():
+  from experiments.smollm2 import horizons  # pylint: disable=import-outside-toplevel
+  points = horizons.get_sweep("seeds")
+  assert len(points) == 12
+  assert {(p["arg.horizon"], p["arg.seed"]) for p in points} == {
+      (h, s) for h in horizons.HORIZONS for s in (0, 1, 2)}
+
+
+# horizons.py's runlocal with a tiny random model and a small BPE tokenizer in SmolLM2's place,
+# from no BC run: seconds a step, most of a first run compiling (the test processes' cache,
+# tests/conftest.py, keeps what it compiled for the next). The SmolLM2 form (BC's runlocal,
+# then this) is slow.
+TINY = ["--config.init_from=", "--config.model.source=random", "--config.tokenizer.spec=bpe:400",
+        "--config.tokenizer.bpe_tasks=4", "--config.rollout.max_reply_tokens=16",
+        "--config.env.num_workers=1", "--config.log.trajectories_every=0",
+        "--config.compile.max_programs=0", "--config.eval.num_tasks=1"]
+
+
+def test_horizon_study_runlocal_crosses_its_phase_and_counts_its_tokens(tmp_path):
+  workdir = tmp_path / "run"
+  result = run_cli("agentgym_jax.train", [
+      "--config=experiments/smollm2/horizons.py:horizon=scaling_inter,init=unused,runlocal",
+      f"--workdir={workdir}", *TINY], caches.default_compilation_cache_dir())
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = metrics(workdir)
+  assert [m["step"] for m in lines] == [1, 2]
+  assert [m["schedule/max_turns"] for m in lines] == [1.0, 2.0]
+  assert lines[1]["update/trained_tokens_total"] == sum(m["update/trained_tokens"]
+                                                        for m in lines)
+  with open(workdir / "eval" / "step_2" / "eval_test.json") as f:
+    assert json.load(f)["settings"]["max_turns"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_smollm2_horizon_study_runlocal_bc_then_evidence(tmp_path):
+  """The config as written, SmolLM2 included: textcraft.py's BC runlocal, then horizons.py's
+  evidence schedule from it."""
+  cache, bc = str(tmp_path / "cache"), tmp_path / "bc"
+  for config, workdir in (("textcraft.py:stage=bc,runlocal", bc),
+                          (f"horizons.py:horizon=evidence,init={bc},runlocal", tmp_path / "rl")):
+    result = run_cli("agentgym_jax.train", [f"--config=experiments/smollm2/{config}",
+                                            f"--workdir={workdir}"], cache, timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+  lines = metrics(tmp_path / "rl")
+  assert [m["schedule/max_turns"] for m in lines] == [1.0, 2.0]
+  assert "eval/success_rate" in lines[-1]
 
 
 # The study's starting recipe and RL stage, as committed: BC, then Dr.GRPO for the config's 24

@@ -1,0 +1,134 @@
+r"""SmolLM2-135M-Instruct on TextCraft: fixed turn limits against ScalingInter-RL and a horizon
+that lengthens on evidence, at one budget of trained tokens (the paper's Fig. 7 at CPU scale).
+
+AgentGym-RL's Fig. 7 trains with a short fixed turn limit, a long one, and ScalingInter-RL (the
+limit grows in phases of fixed length) and finds the last best. Here the same comparison from
+a pretrained model: Dr.GRPO from the TextCraft study's BC checkpoint (textcraft.py, common.py's
+RL recipe) with `horizon=`
+
+  short          a fixed limit of 4 turns
+  long           a fixed limit of 10 turns
+  scaling_inter  4 -> 7 -> 10 turns, a phase every 4 steps (the paper's schedule)
+  evidence       4 -> 7 -> 10 turns, a phase ending once the training success of its last 2
+                 steps reaches 0.25 (schedule.advance="success", rl/schedule.py), after 4 steps
+                 at the latest: ours, not the paper's
+
+every run stopping at the first step that brings its trained tokens to TOKEN_BUDGET
+(`total_tokens`), so a horizon that makes longer episodes gets fewer steps, not more compute.
+
+  cfg=experiments/smollm2/horizons.py ROOT=/tmp/smollm2_horizons
+  # 1. BC once, the TextCraft study's (16 depth-1 and 16 depth-2 demonstrations, up to 10 turns):
+  python -m agentgym_jax.train --config=experiments/smollm2/textcraft.py:stage=bc \
+      --workdir=$ROOT/bc
+  # 2. each horizon x seeds 0-2 from it, one after another (12 runs; drop --run to print them):
+  python launch/sweep.py --config=$cfg:init=$ROOT/bc --sweep=seeds --workdir=$ROOT --run
+  #    one of them alone:
+  python -m agentgym_jax.train --config=$cfg:horizon=evidence,seed=0,init=$ROOT/bc \
+      --workdir="$ROOT/horizon=evidence,seed=0"
+  # 3. held-out before and after per horizon, its seeds pooled, with 95% intervals (per depth);
+  #    the curves (held-out success, training success, episodes/turns_mean and
+  #    update/trained_tokens_total per step), the seeds as mean and band:
+  python -m agentgym_jax.report $ROOT/horizon=* --out=$ROOT/report
+  python -m agentgym_jax.viewer $ROOT
+  # the smoke run of one horizon (a BC runlocal first): append ,runlocal to both configs.
+
+What will be reported (experiments/smollm2/README.md): per horizon, greedy held-out success on
+all 72 depth-1 and depth-2 test goals at 10 turns before (the BC policy) and after, its change
+with the report's 95% interval over tasks and the 3 seeds, per depth; held-out success against
+trained tokens; the turn limit and episode length over training; the steps each horizon took
+to spend the budget and the step at which the evidence schedule moved to each phase.
+
+Config arguments: horizon (above), init (the BC run's workdir), seed, runlocal.
+
+Not run yet: no numbers. From textcraft.py's RL run (12 steps of depth-1 goals at 10 turns,
+about 6,000 trained tokens and 3-9 minutes a step) each run should take 1-1.5 hours on 2 CPU
+cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_collections
+
+from agentgym_jax import sweeps
+from agentgym_jax.train import config as base
+from experiments.smollm2 import common, textcraft
+
+HORIZONS = ("short", "long", "scaling_inter", "evidence")
+# TextCraft's expert needs 2-3 turns for a depth-1 goal and 3-10 for a depth-2 one. 4 turns
+# allow every depth-1 recipe and the short depth-2 ones with no turn to spare; 10 (textcraft.py's
+# limit) allows every expert episode and room to recover from a refused craft, the BC policy's
+# main failure. ScalingInter's middle phase sits half way.
+SHORT, LONG = 4, 10
+PHASES = (SHORT, 7, LONG)
+STEPS_PER_PHASE = 4
+# The evidence rule: the phase ends once the mean training success of its last WINDOW steps
+# (2 tasks x 4 samples each) reaches THRESHOLD, about twice BC's sampled success on TextCraft
+# (13.9% at T=0.7, README.md): the policy has learned something at this limit. Not tuned.
+WINDOW, THRESHOLD = 2, 0.25
+# The budget: about 16 steps of textcraft.py's 10-turn RL run, whose steps trained 4,800-7,600
+# tokens (8 depth-1 episodes; depth-2 episodes run longer), so the long run has as many
+# updates as that run had and the short one ends after roughly twice as many.
+TOKEN_BUDGET = 96_000
+# A cap on steps, above what any horizon should need to spend the budget.
+MAX_STEPS = 40
+# Greedy held-out evaluation of the 72 goals (~5-9 minutes each): at the start (the BC policy,
+# the report's "before": the same number for every run), every 8 steps and at the last.
+EVAL_EVERY = 8
+
+# textcraft.py's setting, trained on both depths: the longer horizons matter only for depth-2
+# goals (textcraft.py trains on depth 1 alone, where 4 turns suffice).
+SETTING = dataclasses.replace(textcraft.SETTING, rl_categories=(), rl_steps=MAX_STEPS)
+
+
+def parse(arg: str | None) -> ml_collections.ConfigDict:
+  args = base.parse_arg(arg, horizon="scaling_inter", init="", seed=0, runlocal=False)
+  if args.horizon not in HORIZONS:
+    raise ValueError(f"Config argument horizon={args.horizon!r} is not one of {list(HORIZONS)}.")
+  if not args.init:
+    raise ValueError("The horizon study starts from a BC run: add init=<the workdir of "
+                     "textcraft.py:stage=bc>.")
+  return args
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  args = parse(arg)
+  c = common.study_config(ml_collections.ConfigDict(dict(
+      stage="rl", algo="grpo", init=args.init, seed=args.seed, runlocal=args.runlocal)), SETTING)
+  c.total_tokens = TOKEN_BUDGET
+  # Every horizon is evaluated at the longest limit: the same held-out task for all of them.
+  c.eval.max_turns = LONG
+  c.eval.at_start = True
+  c.eval.every_steps = EVAL_EVERY
+  # No dynamic sampling: with it the step's episode metrics, and so the training success the
+  # evidence rule reads, are those of the kept groups, which it picks for mixed outcomes; off
+  # for every horizon so that the four runs differ in their turn limits alone.
+  c.algo.dynamic_sampling = False
+  short, phases, steps_per_phase = SHORT, PHASES, STEPS_PER_PHASE
+  if args.runlocal:
+    # Two steps at 1 and 2 turns: ScalingInter's phase changes after the first, and the
+    # evaluation runs at 2 turns (study_config's runlocal: 2 rows a step, 2 held-out goals).
+    short, phases, steps_per_phase = 1, (1, 2), 1
+    c.total_steps = 2
+    c.eval.max_turns = phases[-1]
+    c.eval.at_start = False
+    c.eval.every_steps = c.total_steps
+  if args.horizon in ("short", "long"):
+    c.schedule.kind = "fixed"
+    c.schedule.horizons = (short if args.horizon == "short" else phases[-1],)
+  else:
+    c.schedule.kind = "scaling_inter"
+    c.schedule.horizons = phases
+    c.schedule.steps_per_phase = steps_per_phase
+    c.schedule.advance = "success" if args.horizon == "evidence" else "steps"
+    c.schedule.window = min(WINDOW, steps_per_phase)
+    c.schedule.success_threshold = THRESHOLD
+  return base.lock(c)
+
+
+def get_sweep(arg: str | None = None) -> sweeps.Sweep:
+  """"seeds": every horizon x seeds 0-2 (run with :init=<the BC run>)."""
+  if arg != "seeds":
+    raise ValueError(f"Unknown sweep {arg!r}; use 'seeds'.")
+  return sweeps.product(sweeps.sweep("arg.horizon", HORIZONS), sweeps.sweep("arg.seed", [0, 1, 2]))
