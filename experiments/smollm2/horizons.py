@@ -40,9 +40,9 @@ to spend the budget and the step at which the evidence schedule moved to each ph
 
 Config arguments: horizon (above), init (the BC run's workdir), seed, runlocal.
 
-Not run yet: no numbers. From textcraft.py's RL run (12 steps of depth-1 goals at 10 turns,
-about 6,000 trained tokens and 3-9 minutes a step) each run should take 1-1.5 hours on 2 CPU
-cores.
+Not run yet: no numbers. From textcraft.py's RL run (12 steps of depth-1 goals at 10 turns in
+58.5 minutes with three evaluations, about 6,000 trained tokens a step) each run should take
+1.5-2.5 hours on 2 CPU cores, BC about 16 minutes (estimates, not measured).
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ STEPS_PER_PHASE = 4
 # (2 tasks x 4 samples each) reaches THRESHOLD, about twice BC's sampled success on TextCraft
 # (13.9% at T=0.7, README.md): the policy has learned something at this limit. Not tuned.
 WINDOW, THRESHOLD = 2, 0.25
-# The budget: about 16 steps of textcraft.py's 10-turn RL run, whose steps trained 4,800-7,600
-# tokens (8 depth-1 episodes; depth-2 episodes run longer), so the long run has as many
-# updates as that run had and the short one ends after roughly twice as many.
+# The budget: 16 steps of textcraft.py's 10-turn RL run, whose steps trained 4,800-7,600
+# tokens (8 depth-1 episodes). Every episode carries TextCraft's ~450-token opening (the
+# runlocal's 1-turn rows: ~470 tokens), so the 10-turn run, whose failed depth-2 episodes use
+# every turn, gets fewer steps than that and the 4-turn run more.
 TOKEN_BUDGET = 96_000
 # A cap on steps, above what any horizon should need to spend the budget.
 MAX_STEPS = 40
