@@ -123,7 +123,7 @@ def test_every_horizon_builds_and_locks_with_one_token_budget(runlocal):
   assert all(f == fields[0] for f in fields)
 
 
-@pytest.mark.parametrize("arg", ["horizon=short", "horizon=medium,init=/tmp/bc"])
+@pytest.mark.parametrize("arg", ["horizon=short,init=", "horizon=medium,init=/tmp/bc"])
 def test_horizon_study_rejects_bad_arguments(arg):
   from experiments.smollm2 import horizons  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError):

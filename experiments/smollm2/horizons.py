@@ -38,7 +38,8 @@ with the report's 95% interval over tasks and the 3 seeds, per depth; held-out s
 trained tokens; the turn limit and episode length over training; the steps each horizon took
 to spend the budget and the step at which the evidence schedule moved to each phase.
 
-Config arguments: horizon (above), init (the BC run's workdir), seed, runlocal.
+Config arguments: horizon (above; default scaling_inter), init (the BC run's workdir; default
+the one above), seed, runlocal.
 
 Not run yet: no numbers. From textcraft.py's RL run (12 steps of depth-1 goals at 10 turns in
 58.5 minutes with three evaluations, about 6,000 trained tokens a step) each run should take
@@ -83,8 +84,12 @@ EVAL_EVERY = 8
 SETTING = dataclasses.replace(textcraft.SETTING, rl_categories=(), rl_steps=MAX_STEPS)
 
 
+# Where the commands above put the BC run: init's default.
+DEFAULT_INIT = "/tmp/smollm2_horizons/bc"
+
+
 def parse(arg: str | None) -> ml_collections.ConfigDict:
-  args = base.parse_arg(arg, horizon="scaling_inter", init="", seed=0, runlocal=False)
+  args = base.parse_arg(arg, horizon="scaling_inter", init=DEFAULT_INIT, seed=0, runlocal=False)
   if args.horizon not in HORIZONS:
     raise ValueError(f"Config argument horizon={args.horizon!r} is not one of {list(HORIZONS)}.")
   if not args.init:
