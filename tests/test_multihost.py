@@ -337,7 +337,7 @@ def test_a_second_threads_gathers_go_through_the_key_value_store(scripts):
 
 def test_each_process_gets_its_own_env_service_url(monkeypatch):
   import jax  # pylint: disable=import-outside-toplevel
-  from agentgym_jax import multihost  # pylint: disable=import-outside-toplevel
+  from agentgym_jax import multihost, settings  # pylint: disable=import-outside-toplevel
   from agentgym_jax.train import config as base  # pylint: disable=import-outside-toplevel
   config = base.base_config()
   config.env.name = "remote"
@@ -387,7 +387,7 @@ def test_maybe_initialize_distributed_detects_clusters_and_sets_timeouts(monkeyp
 
 
 def test_explicit_coordinator_needs_process_count(monkeypatch):
-  from agentgym_jax import multihost, settings  # pylint: disable=import-outside-toplevel
+  from agentgym_jax import multihost  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
   monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
   with pytest.raises(ValueError, match="JAX_NUM_PROCESSES"):
