@@ -148,6 +148,9 @@ TINY = ["--config.init_from=", "--config.model.source=random", "--config.tokeniz
         "--config.compile.max_programs=0", "--config.eval.num_tasks=1"]
 
 
+# Slow: ~55 s of a loaded 2-core machine; the token budget's stop, resume and metric are in
+# the default suite (tests/test_trainer.py), and every horizon's config is built above.
+@pytest.mark.slow
 def test_horizon_study_runlocal_crosses_its_phase_and_counts_its_tokens(tmp_path):
   workdir = tmp_path / "run"
   result = run_cli("agentgym_jax.train", [
