@@ -77,6 +77,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import cli
 from agentgym_jax import policies
+from agentgym_jax import settings as settings_lib
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax import targets
 from agentgym_jax.models import Decoder, KVCache, ModelConfig, resolve_attention
@@ -84,7 +85,6 @@ from agentgym_jax.models import published
 from agentgym_jax.models.decoder import resolve_layer_loop
 from agentgym_jax.models.value import ValueModel
 from agentgym_jax.rl.algorithm import AlgorithmSpec
-from agentgym_jax import settings as settings_lib
 from agentgym_jax.rollout import sampler
 from agentgym_jax.rollout.trajectory import bucket_length
 from agentgym_jax.tokenization import ChatTokenizer
