@@ -729,6 +729,21 @@ def test_lm_head_scores_nothing_at_a_position_outside_the_row():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def _assert_same_sums(got, want, mask, *, grad_rtol, aux_rtol, mask_got):
+  """(loss, grads, aux) of two `accumulate_gradients` calls agree; aux's log-probs on `mask`
+  (also masked on `got`'s side when `mask_got`)."""
+  (got_loss, got_grads, got_aux), (want_loss, want_grads, want_aux) = got, want
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, rtol=grad_rtol, atol=1e-6)
+  assert set(got_aux) == set(want_aux)
+  masked = lambda key, aux: np.where(mask, aux[key], 0.0) if key == "logprobs" else aux[key]
+  for key in want_aux:
+    got_value = masked(key, got_aux) if mask_got else got_aux[key]
+    np.testing.assert_allclose(got_value, masked(key, want_aux), rtol=aux_rtol, atol=1e-6,
+                               err_msg=key)
+
+
 @pytest.mark.parametrize("algo", [
     dict(kl_coef=0.05, entropy_coef=0.01, tis_cap=1.2, microbatches=2),
     dict(kl_coef=0.05, entropy_coef=0.01, kl_estimator="k1",
@@ -745,16 +760,9 @@ def test_update_loss_at_the_scored_positions_equals_the_loss_at_every_position(m
   loss_fn = functools.partial(update_lib.policy_loss, graphdef=policy_def, cfg=cfg)
   accumulate = jax.jit(lambda p, b: update_lib.accumulate_gradients(loss_fn, p, b, den,
                                                                     cfg.microbatches))
-  want_loss, want_grads, want_aux = accumulate(policy, batch)
-  got_loss, got_grads, got_aux = accumulate(policy, {**batch, "scored_positions": positions})
-  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6, atol=1e-6)
-  for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-  assert set(got_aux) == set(want_aux)
-  mask = np.asarray(batch["loss_mask"])
-  for key in want_aux:
-    want_value = np.where(mask, want_aux[key], 0.0) if key == "logprobs" else want_aux[key]
-    np.testing.assert_allclose(got_aux[key], want_value, rtol=1e-6, atol=1e-6, err_msg=key)
+  _assert_same_sums(accumulate(policy, {**batch, "scored_positions": positions}),
+                    accumulate(policy, batch), np.asarray(batch["loss_mask"]),
+                    grad_rtol=1e-6, aux_rtol=1e-6, mask_got=False)
 
 
 def test_scorers_and_update_at_the_scored_positions_equal_every_position(monkeypatch, run):
@@ -840,16 +848,8 @@ def test_micro_batches_at_their_own_length_train_as_the_whole_rows(monkeypatch, 
     den = losses.aggregation_denominator(batch["loss_mask"], cfg.algo.loss_agg_mode)
     got[count] = jax.jit(lambda p, b: update_lib.accumulate_gradients(  # pylint: disable=cell-var-from-loop
         loss_fn, p, b, den, ROWS, micro_lengths=cfg.micro_lengths))(params, batch)
-  (want_loss, want_grads, want_aux), (cut_loss, cut_grads, cut_aux) = got[1], got[3]
-  np.testing.assert_allclose(cut_loss, want_loss, rtol=1e-6, atol=1e-6)
-  for a, b in zip(jax.tree.leaves(cut_grads), jax.tree.leaves(want_grads)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  assert set(cut_aux) == set(want_aux)
-  mask = np.asarray(batch["loss_mask"])
-  for key in want_aux:
-    want_value = np.where(mask, want_aux[key], 0.0) if key == "logprobs" else want_aux[key]
-    cut_value = np.where(mask, cut_aux[key], 0.0) if key == "logprobs" else cut_aux[key]
-    np.testing.assert_allclose(cut_value, want_value, rtol=1e-5, atol=1e-6, err_msg=key)
+  _assert_same_sums(got[3], got[1], np.asarray(batch["loss_mask"]), grad_rtol=1e-5,
+                    aux_rtol=1e-5, mask_got=True)
 
 
 def test_scorers_at_each_micro_batchs_length_give_the_whole_rows_log_probs(monkeypatch):

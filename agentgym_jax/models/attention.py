@@ -358,14 +358,26 @@ def _block_scores(q: jax.Array, k: jax.Array, q_pos: jax.Array, kv_valid: jax.Ar
   return scores, mask, kj
 
 
+def after(first, tree):
+  """`tree`, unchanged in value, but computed only once every array of `first` exists.
+
+  x + 0 * s, with s the max of each of `first`'s arrays: XLA does not fold a float
+  multiplication by zero (it would change NaN and inf), so the dependency survives, where
+  XLA:CPU drops `lax.optimization_barrier` before scheduling. A max needs every element
+  (one element would not: XLA computes a slice of a matmul from slices of its operands).
+  """
+  s = sum(jnp.max(a).astype(jnp.float32) for a in jax.tree.leaves(first))
+  return jax.tree.map(lambda a: a + (0 * s).astype(a.dtype), tree)
+
+
 def _zeros_after(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """float32 zeros of `shape`, made only once x exists.
+  """float32 zeros of `shape`, made only once x exists (`after`).
 
   A plain `jnp.zeros` is one constant that XLA shares between every layer's loop and copies
   into each loop's buffer; XLA:CPU schedules those copies at the start of the program, so
-  every layer's accumulators would be live at once. 0 * max(x) is not folded (NaN and inf).
+  every layer's accumulators would be live at once.
   """
-  return jnp.zeros(shape, jnp.float32) + 0 * jnp.max(x).astype(jnp.float32)
+  return after(x, jnp.zeros(shape, jnp.float32))
 
 
 def _flash_forward(q, k, v, q_pos, kv_valid, block_k):

@@ -208,18 +208,6 @@ def resolve_layer_loop(loop: str, platform: str | None = None) -> str:
   return "unroll" if (platform or jax.default_backend()) == "cpu" else "scan"
 
 
-def _after(first, tree):
-  """`tree`, unchanged in value, but computed only once every array of `first` exists.
-
-  x + 0 * s, with s the max of each of `first`'s arrays: XLA does not fold a float
-  multiplication by zero (it would change NaN and inf), so the dependency survives, where
-  XLA:CPU drops `lax.optimization_barrier` before scheduling. A max needs every element
-  (one element would not: XLA computes a slice of a matmul from slices of its operands).
-  """
-  s = sum(jnp.max(a).astype(jnp.float32) for a in jax.tree.leaves(first))
-  return jax.tree.map(lambda a: a + (0 * s).astype(a.dtype), tree)
-
-
 def _zero_cotangent(x: jax.Array) -> jax.Array:
   if jnp.issubdtype(x.dtype, jnp.inexact):
     return jnp.zeros_like(x)
@@ -234,8 +222,8 @@ def remat_after_cotangent(layer):
   no data dependency on the backward, and XLA:CPU, which drops `lax.optimization_barrier`,
   merges it with the forward's identical computation (CSE) or runs it early, so every block's
   activations stay live (no saving at all, benchmarks/README.md, Memory). Here the
-  recomputation reads its inputs through `_after(cotangent)`, and the input's gradient comes
-  out through `_after(the parameters' gradients)`: each block's backward, recomputation
+  recomputation reads its inputs through `attention.after(cotangent)`, and the input's gradient
+  comes out through `attention.after(the parameters' gradients)`: each block's backward, recomputation
   included, runs whole between its neighbours', holding one block's activations. In a scan
   the loop already orders the blocks, and `nnx.remat` does (`Backbone.__call__`).
   """
@@ -256,12 +244,12 @@ def remat_after_cotangent(layer):
       p, x, consts = saved
       # The parameters too, not the input alone: with x alone an 8,192-token row of SmolLM2's
       # update measured 3.51 GiB of temporaries instead of 2.78.
-      p, x = _after(cotangent, (p, x))
+      p, x = attention_lib.after(cotangent, (p, x))
       grads = jax.vjp(lambda p, x: run(p, x, *consts), p, x)[1](cotangent)
       # The input's gradient waits for the parameters' too: the previous block's backward
       # then cannot start before this block's weight-gradient matmuls are done.
       dp, dx = grads
-      dx = _after(dp, dx)
+      dx = attention_lib.after(dp, dx)
       return (dp, dx, jax.tree.map(_zero_cotangent, consts))
 
     remat.defvjp(forward, backward)
