@@ -29,6 +29,15 @@ SCHEDULES = ("fixed", "scaling_inter")
 # The slices each model size is planned for: the goal is 7B on v4-32 and v5e-64 and 3B on
 # v5e-16; 7B on v5e-16 shows what the smallest 16-chip slice lacks.
 SLICES = {"7b": ("v4-32", "v5e-64", "v5e-16"), "3b": ("v5e-16",)}
+# Where full fine-tuning cannot fit: the same configs with LoRA adapters of this rank too.
+LORA_RANK, LORA_SLICES = 16, {"7b": ("v5e-16",)}
+# Why a planned row does not fit, in one line (the table's last column).
+WHY = {f"{env}_{schedule}_7b_v5e-16": "the float32 train state alone is 7.1 GiB a chip before "
+       "any activation: the lora=16 row" for env in ENVIRONMENTS for schedule in SCHEDULES}
+# Rows the plan cannot compile, with the reason in one line.
+CANNOT = {f"webarena_{schedule}_7b_v5e-64": "16 rows a minibatch on 64 chips need tensor=4, "
+          "which a v5e mesh puts across two hosts; the rollout refuses that"
+          for schedule in SCHEDULES}
 PROGRAMS = ("rollout_extend", "rollout_decode", "score_logprobs", "score_values", "update")
 GiB = 1 << 30
 
@@ -44,6 +53,9 @@ def runs() -> list[tuple[str, str, str]]:
           if slice_ not in ("v5e-16", "v4-32"):  # the configs' default layout: 16 chips
             config += f",slice={slice_}"
           out.append((f"{env}_{schedule}_{model}_{slice_}", config, slice_))
+          if slice_ in LORA_SLICES.get(model, ()):
+            out.append((f"{env}_{schedule}_{model}_lora{LORA_RANK}_{slice_}",
+                        f"{config},lora={LORA_RANK}", slice_))
   return out
 
 
@@ -63,13 +75,21 @@ def compile_missing(only: str) -> None:
 
 
 def table() -> str:
-  """One row per saved plan: total GiB per chip of each program, whether all fit, FLOPs."""
+  """One row per saved plan: total GiB per chip of each program, whether all fit, FLOPs, and
+  why not (WHY); the rows that cannot be planned, with their reason (CANNOT); then the runs
+  not planned yet."""
   header = ("| config | slice | " + " | ".join(PROGRAMS) + " | fits | PFLOP/step | "
-            "at peak |")
-  lines = [header, "|" + "---|" * (len(PROGRAMS) + 5)]
+            "at peak | why not |")
+  lines = [header, "|" + "---|" * (len(PROGRAMS) + 6)]
+  missing = []
   for name, config, slice_ in runs():
     path = os.path.join(PLANS, f"{name}.json")
     if not os.path.exists(path):
+      if name in CANNOT:
+        lines.append(f"| `{config.split('/')[-1]}` | {slice_} | " + " | " * len(PROGRAMS) +
+                     f"**no** | | | {CANNOT[name]} |")
+      else:
+        missing.append(f"`{config.split('/')[-1]}` on {slice_}")
       continue
     with open(path) as f:
       plan = json.load(f)
@@ -83,9 +103,12 @@ def table() -> str:
       mark = ">" if p["needed"] is not None else ""
       cells.append(f"{mark}{p['total'] / GiB:.1f}" + ("" if p["fits"] else " ✗"))
     flops = sum(plan["flops"].values())
-    fits = "yes" if all(p["fits"] for p in programs.values()) else "**no**"
+    fits = all(p["fits"] for p in programs.values())
     lines.append(f"| `{config.split('/')[-1]}` | {slice_} | " + " | ".join(cells) +
-                 f" | {fits} | {flops / 1e15:.1f} | {flops / plan['peak_flops']:.1f} s |")
+                 f" | {'yes' if fits else '**no**'} | {flops / 1e15:.1f} | "
+                 f"{flops / plan['peak_flops']:.1f} s | {'' if fits else WHY.get(name, '')} |")
+  if missing:
+    lines.append(f"\nNot planned yet ({len(missing)}): " + ", ".join(missing) + ".")
   return "\n".join(lines)
 
 
@@ -99,8 +122,9 @@ def main() -> None:
   with open(PAGE) as f:
     page = f.read()
   start, end = page.index(BEGIN) + len(BEGIN), page.index(END)
+  text = table()  # before the page is opened for writing: an error leaves it as it was
   with open(PAGE, "w") as f:
-    f.write(page[:start] + "\n" + table() + "\n" + page[end:])
+    f.write(page[:start] + "\n" + text + "\n" + page[end:])
   print(f"Wrote {PAGE}")
 
 
