@@ -130,11 +130,11 @@ def _self_grads(fn, q, k, v, valid):
   return out, grads
 
 
-def _assert_self_parity(fn, q, k, v, valid, atol=1e-5):
-  """fn's outputs at valid queries and its gradients equal the XLA form's within atol; every
-  output (padded queries too) is finite."""
+def _assert_self_parity(fn, q, k, v, valid, atol=1e-5, reference=attn._xla_self):
+  """fn's outputs at valid queries and its gradients equal the reference's (the XLA form)
+  within atol; every output (padded queries too) is finite."""
   out, grads = _self_grads(fn, q, k, v, valid)
-  ref_out, ref_grads = _self_grads(attn._xla_self, q, k, v, valid)
+  ref_out, ref_grads = _self_grads(reference, q, k, v, valid)
   keep = np.asarray(valid)
   np.testing.assert_allclose(np.asarray(out)[keep], np.asarray(ref_out)[keep], atol=atol)
   assert np.isfinite(np.asarray(out)).all()
@@ -294,3 +294,138 @@ def test_pallas_attention_compiles_for_tpu():
     if impl == "pallas":
       assert "tpu_custom_call" in compiled.as_text()
   assert peak["pallas"] < peak["xla"], peak
+
+
+# ----- packed rows (Segments) ------------------------------------------------------------------
+
+def _packed(rows):
+  """valid [B, T] and `Segments` of rows given as (shared, [segment lengths], padding).
+
+  Padded tokens get starts 0, as a careless caller might leave them: the kernels must cope."""
+  t = max(shared + sum(lengths) + pad for shared, lengths, pad in rows)
+  valid, starts, positions = (np.zeros((len(rows), t), int) for _ in range(3))
+  for b, (shared, lengths, _) in enumerate(rows):
+    valid[b, :shared + sum(lengths)] = 1
+    positions[b, :shared] = np.arange(shared)
+    at = shared
+    for n in lengths:
+      starts[b, at:at + n] = at
+      positions[b, at:at + n] = shared + np.arange(n)
+      at += n
+  segments = attn.Segments(positions=jnp.asarray(positions, jnp.int32),
+                           starts=jnp.asarray(starts, jnp.int32),
+                           shared=jnp.asarray([r[0] for r in rows], jnp.int32))
+  return jnp.asarray(valid, bool), segments
+
+
+# One row with a shared opening of 7 and three continuations, one plain-packed (shared = 0),
+# both padded at the end.
+_ROWS = [(7, [9, 11, 6], 4), (0, [12, 10, 9], 6)]
+
+
+def _segment_mask(valid, segments):
+  """[B, T, T] bool: `Segments`'s rule, written out."""
+  t = valid.shape[1]
+  s, q = np.arange(t)[None, None, :], np.arange(t)[None, :, None]
+  starts, shared = np.asarray(segments.starts)[:, :, None], np.asarray(segments.shared)
+  return (np.asarray(valid)[:, None, :] & (s <= q)
+          & ((s < shared[:, None, None]) | (s >= starts)))
+
+
+@pytest.mark.parametrize("block_q, block_k", [(None, None), (8, 8), (5, 7), (16, 4), (3, 11)])
+def test_blockwise_segments_match_xla(block_q, block_k):
+  """Packed rows (shared opening and plain packing, padded), GQA, blocks that cut segments:
+  flash attention with segments, and the seam's blockwise and cuDNN forms, equal the XLA
+  form's full mask within 1e-5, outputs and gradients; the XLA form equals `attention` with
+  the rule written out."""
+  valid, segments = _packed(_ROWS)
+  q, k, v = _qkv(2, valid.shape[1], 2, 3, 16, seed=3)
+  starts = jnp.where(valid, segments.starts, jnp.arange(valid.shape[1]))
+  flash = lambda q, k, v, valid: attn.flash_attention(
+      q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+      jnp.broadcast_to(jnp.arange(valid.shape[1]), valid.shape), valid, block_q, block_k,
+      seg_start=starts, shared=segments.shared)
+  reference = lambda q, k, v, valid: attn._xla_segments(q, k, v, valid, segments)
+  _assert_self_parity(flash, q, k, v, valid, reference=reference)
+  for impl in ("blockwise", "cudnn"):
+    seam = lambda q, k, v, valid: attn.segment_attention(q, k, v, valid, segments, impl)
+    _assert_self_parity(seam, q, k, v, valid, reference=reference)
+  written_out = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3),
+                          jnp.asarray(_segment_mask(valid, segments)))
+  keep = np.asarray(valid)
+  np.testing.assert_allclose(np.asarray(reference(q, k, v, valid))[keep],
+                             np.asarray(written_out)[keep], atol=1e-5)
+
+
+def test_blockwise_segments_never_touch_other_segments_keys():
+  """Queries of the opening and of the second and third of three continuations, keys of all
+  of them, the first continuation's keys (whole key blocks) NaN: nothing may read them, and
+  visiting them at all would turn outputs and gradients NaN (0 * NaN in the value matmul),
+  masked or not. Outputs and gradients equal the XLA form's with those keys zeroed."""
+  shared, block = 8, 8
+  lengths = [16, 12, 12]  # continuation 1 fills key blocks 1 and 2
+  s = shared + sum(lengths)
+  queries = np.r_[0:shared, shared + 16:s]  # the opening, continuations 2 and 3
+  starts = np.r_[np.zeros(shared), np.full(12, 24), np.full(12, 36)].astype(np.int32)
+  b, kh, g, dh = 1, 2, 2, 16
+  q, _, _ = _qkv(b, len(queries), kh, g, dh, seed=9)
+  keys = jax.random.split(jax.random.key(10), 2)
+  k, v = (jax.random.normal(key, (b, kh, s, dh)) for key in keys)
+  poison = lambda x: x.at[:, :, shared:shared + 16].set(jnp.nan)
+  q_pos = jnp.asarray(queries, jnp.int32)[None]
+  weights = jax.random.normal(jax.random.key(2), (b, len(queries), kh * g * dh))
+  def grads(fn, k, v):
+    loss = lambda q, k, v: jnp.sum(fn(q, k, v) * weights)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+  flash = lambda q, k, v: attn.flash_attention(
+      q, k, v, q_pos, jnp.ones((b, s), bool), block, block, seg_start=jnp.asarray(starts)[None],
+      shared=jnp.asarray([shared], jnp.int32))
+  mask = ((jnp.arange(s)[None, None] <= q_pos[..., None])
+          & attn._segment_visible(jnp.arange(s)[None, None], jnp.asarray(starts)[None, :, None],
+                                  shared))
+  xla = lambda q, k, v: attention(q, k.swapaxes(2, 3), v, mask)
+  got, ref = grads(flash, poison(k), poison(v)), grads(xla, *(x.at[:, :, shared:shared + 16]
+                                                              .set(0.0) for x in (k, v)))
+  for a, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+    assert np.isfinite(np.asarray(a)).all()
+    np.testing.assert_allclose(a, r, atol=1e-5)
+
+
+@pytest.mark.parametrize("row", _ROWS)
+@pytest.mark.parametrize("block", [4, 7])
+def test_blockwise_segments_visit_only_blocks_with_visible_keys(monkeypatch, row, block):
+  """Every key block the forward and the backward score holds a key one of the query block's
+  queries may see, and each such block is scored once per pass: the count of scored blocks
+  (a callback in `_block_scores`) is twice the count from the rule written out, well below
+  the causal count."""
+  visits = []
+  scores = attn._block_scores
+  def counted(*args, **kwargs):
+    jax.debug.callback(lambda: visits.append(1))
+    return scores(*args, **kwargs)
+  monkeypatch.setattr(attn, "_block_scores", counted)
+  monkeypatch.setattr(attn, "_SEGMENT_BLOCK", block)
+  valid, segments = _packed([row])
+  t = valid.shape[1]
+  q, k, v = _qkv(1, t, 2, 2, 8, seed=4)
+  loss = lambda q, k, v: jnp.sum(attn.segment_attention(q, k, v, valid, segments, "blockwise"))
+  jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+  jax.effects_barrier()
+  block = attn._flash_block(t, block)
+  n = -(-t // block)
+  seen = _segment_mask(valid, segments)[0] & np.asarray(valid)[0][:, None]
+  pairs = np.array([[seen[i * block:(i + 1) * block, j * block:(j + 1) * block].any()
+                     for j in range(n)] for i in range(n)])
+  causal = np.tril(np.ones((n, n), bool)) & (np.arange(n) <= (np.asarray(valid)[0].sum() - 1)
+                                             // block)[None]
+  assert len(visits) == 2 * pairs.sum(), (len(visits), pairs.sum())
+  assert pairs.sum() < 0.8 * causal.sum(), (pairs.sum(), causal.sum())
+
+
+def test_pallas_has_no_segment_form():
+  valid, segments = _packed(_ROWS)
+  q, k, v = _qkv(2, valid.shape[1], 2, 3, 16)
+  for impl in ("pallas", "pallas_interpret"):
+    with pytest.raises(ValueError, match=rf"attention kernel '{impl}' cannot run packed rows "
+                                         r".*model.attention=blockwise or xla"):
+      attn.segment_attention(q, k, v, valid, segments, impl)

@@ -1,12 +1,15 @@
 """Attention of the decoder, behind one seam: a registry of kernels, one chosen per backend.
 
-Every program calls one of two functions here, with `ModelConfig.attention` as `impl`:
+Every program calls one of three functions here, with `ModelConfig.attention` as `impl`:
 
 * `self_attention`: the training forward (`Block.__call__`), causal over a right-padded chunk.
+* `segment_attention`: the training forward over packed rows (`Segments`): several sequences
+  back to back in one row, optionally after one opening they all share, each seeing the shared
+  opening and itself only.
 * `cache_attention`: `Backbone.extend`, a chunk's queries at positions starts[b] + t against
   the KV cache (prefill is extend on an empty cache; decode is extend with T = 1).
 
-Kernels (`KERNELS`; a new one is one `register_kernel` call with its two forms):
+Kernels (`KERNELS`; a new one is one `register_kernel` call with its forms):
 
 * "xla": einsums with a [T, S] score matrix per layer and row (`attention`,
   `causal_attention`, `cached_attention` below), tuned on XLA:CPU. Its memory grows with the
@@ -15,13 +18,15 @@ Kernels (`KERNELS`; a new one is one `register_kernel` call with its two forms):
   blocks with an online softmax, the gradient recomputed block by block in a custom VJP
   (FlashAttention-2, arXiv 2307.08691, Algorithms 1 and 2), so no program holds more than one
   block of scores. Key blocks past a query block's last visible key (above the causal diagonal,
-  or past every row's last valid key) are never visited. Any backend.
+  or past every row's last valid key) are never visited; in packed rows neither are those
+  between the shared opening and the query block's first segment (the other sequences' keys).
+  Any backend.
 * "cudnn": `jax.nn.dot_product_attention` with cuDNN's fused flash kernel for the training
   forward where its constraints hold (GPU, bf16/fp16, head_dim <= 128 and a multiple of 8),
-  else "blockwise"; extend is "blockwise".
+  else "blockwise"; extend and packed rows are "blockwise".
 * "pallas": splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`), a flash
   kernel for TPU; "pallas_interpret" runs the same kernel in the Pallas interpreter on any
-  backend (tests on CPU; slow).
+  backend (tests on CPU; slow). Neither has a packed-rows form (ValueError).
 * "auto": `AUTO[platform]`, resolved when a program is traced against
   `jax.default_backend()`; a program compiled ahead of time for another backend (the TPU plan)
   resolves it for its target first: `resolve_attention(cfg.attention, "tpu")`.
@@ -57,6 +62,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 from jax.sharding import PartitionSpec as P
 
 from agentgym_jax import sharding
@@ -68,7 +74,7 @@ _NEG_INF = -1e30  # finite, so a row with no visible key gives a uniform softmax
 
 @dataclasses.dataclass(frozen=True)
 class Kernel:
-  """One attention implementation: the two forms the decoder calls.
+  """One attention implementation: the forms the decoder calls.
 
   self_attention(q, k, v, valid) -> out: q [B, T, K, G, Dh], k and v [B, T, K, Dh], valid
     [B, T] bool (right-padded rows); query t sees the valid keys s <= t. out [B, T, K*G*Dh].
@@ -76,10 +82,13 @@ class Kernel:
     starts[b] + t, k_cache [B, K, Dh, S], v_cache [B, K, S, Dh] holding the chunk's own keys
     at those slots; query t sees slots s <= starts[b] + t. out [B, T, K*G*Dh]. Called with
     T > 1 only (decode is the XLA form's, module docstring).
+  segment_attention(q, k, v, valid, segments) -> out: packed rows (`Segments`), q, k, v, valid
+    and out as in self_attention. None: the kernel has no such form.
   """
 
   self_attention: Callable[..., jax.Array]
   cache_attention: Callable[..., jax.Array]
+  segment_attention: Callable[..., jax.Array] | None = None
 
 
 KERNELS: dict[str, Kernel] = {}
@@ -90,11 +99,13 @@ _AUTO_ELSEWHERE = "blockwise"
 
 
 def register_kernel(name: str, self_attention: Callable[..., jax.Array],
-                    cache_attention: Callable[..., jax.Array]) -> None:
-  """Adds a kernel under `name` (a `ModelConfig.attention` value from then on)."""
+                    cache_attention: Callable[..., jax.Array],
+                    segment_attention: Callable[..., jax.Array] | None = None) -> None:
+  """Adds a kernel under `name` (a `ModelConfig.attention` value from then on); without
+  `segment_attention` it cannot run packed rows."""
   if name in KERNELS or name == "auto":
     raise ValueError(f"attention kernel {name!r} is already registered.")
-  KERNELS[name] = Kernel(self_attention, cache_attention)
+  KERNELS[name] = Kernel(self_attention, cache_attention, segment_attention)
 
 
 def attention_names() -> tuple[str, ...]:
@@ -135,6 +146,58 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, i
     padded queries are finite and depend on the kernel; nothing should read them.
   """
   return KERNELS[resolve_attention(impl)].self_attention(q, k, v, valid.astype(bool))
+
+
+@struct.dataclass
+class Segments:
+  """How the sequences of packed rows lie: an optional shared opening, then segments back to back.
+
+  Query t of row b sees key s iff valid[b, s] and s <= t and (s < shared[b] or
+  s >= starts[b, t]). The row [p0..p4 | a0 a1 a2 | b0 b1] (an opening of 5, then two
+  sequences continuing it) has shared = 5, starts = [0] * 5 + [5] * 3 + [8] * 2 and positions
+  = [0..4, 5, 6, 7, 5, 6]: b's tokens see the opening and b, at the positions they would have
+  in their own row. shared = 0 is plain packing (each segment starting at its own first
+  token).
+
+  Attributes:
+    positions: [B, T] int32, each token's RoPE position.
+    starts: [B, T] int32, the index in the row of the first token of the token's segment (0 in
+      the shared opening).
+    shared: [B] int32, the length of the row's shared opening (0: none).
+  """
+
+  positions: jax.Array
+  starts: jax.Array
+  shared: jax.Array
+
+
+def _segment_visible(s: jax.Array, starts: jax.Array, shared: jax.Array) -> jax.Array:
+  """The packed rows' part of `Segments`'s rule (the rest is valid[b, s] and s <= t): key
+  indices s against the queries' starts and the rows' shared lengths, all broadcast."""
+  return (s < shared) | (s >= starts)
+
+
+def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
+                      segments: Segments, impl: str) -> jax.Array:
+  """Self-attention of packed rows (the training forward over `Segments`).
+
+  Args:
+    q: [B, T, K, G, Dh] queries; k, v: [B, T, K, Dh] (as `Block.project_qkv` returns them).
+    valid: [B, T] bool; query t sees the keys `Segments` allows.
+    segments: `Segments` of the rows.
+    impl: a `ModelConfig.attention` value; its kernel must have a packed form ("blockwise",
+      "cudnn" (which runs blockwise) or "xla").
+
+  Returns:
+    [B, T, K * G * Dh] (h = k * G + g). Outputs of padded queries are finite and depend on
+    the kernel; nothing should read them.
+  """
+  name = resolve_attention(impl)
+  form = KERNELS[name].segment_attention
+  if form is None:
+    raise ValueError(f"attention kernel {name!r} cannot run packed rows (Segments); set "
+                     f"model.attention=blockwise or xla.")
+  return form(q, k, v, valid.astype(bool), segments)
 
 
 def cache_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array,
@@ -282,6 +345,16 @@ def _xla_self(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax
   return causal_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
 
 
+def _xla_segments(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
+                  segments: Segments) -> jax.Array:
+  """The reference: the full [B, T, T] mask of `Segments`'s rule."""
+  t = q.shape[1]
+  s = jnp.arange(t)[None, None, :]
+  mask = (jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
+          & _segment_visible(s, segments.starts[:, :, None], segments.shared[:, None, None]))
+  return causal_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
+
+
 def _xla_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array
                ) -> jax.Array:
   mask = (jnp.arange(v_cache.shape[2])[None, None, :]
@@ -304,9 +377,11 @@ def _flash_block(n: int, largest: int = _FLASH_BLOCK) -> int:
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                     kv_valid: jax.Array, block_q: int | None = None,
-                    block_k: int | None = None) -> jax.Array:
+                    block_k: int | None = None, *, seg_start: jax.Array | None = None,
+                    shared: jax.Array | None = None) -> jax.Array:
   """Attention without a [T, S] score matrix: query t of row b sees key s where
-  kv_valid[b, s] and s <= q_pos[b, t].
+  kv_valid[b, s] and s <= q_pos[b, t], and in packed rows (seg_start and shared given) where
+  s < shared[b] or s >= seg_start[b, t] as well (`Segments`'s rule).
 
   Args:
     q: [B, T, K, G, Dh] queries (K kv heads, G query heads each).
@@ -314,6 +389,10 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     q_pos: [B, T] int32 positions of the queries (a query at -1 sees nothing).
     kv_valid: [B, S] bool.
     block_q, block_k: block sizes (default `_flash_block` of T and S).
+    seg_start: [B, T] int32, the first key of each query's segment, or None (no segments).
+    shared: [B] int32, the rows' shared openings; given exactly when seg_start is. A query
+      block visits the key blocks of the longest opening and those from the one holding its
+      smallest seg_start on, so keep a padded query's seg_start high (its own index).
 
   Returns:
     [B, T, K * G * Dh] in q's dtype (h = k * G + g); 0 for a query that sees no key.
@@ -332,7 +411,15 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
   q_pos = jnp.repeat(q_pos.reshape(b, nq, block_q).transpose(1, 0, 2), g, axis=2)
   pad_k = ((0, 0), (0, 0), (0, nk * block_k - s), (0, 0))
   kv_valid = jnp.pad(kv_valid.astype(bool), ((0, 0), (0, nk * block_k - s)))
-  out = _flash(q, jnp.pad(k, pad_k), jnp.pad(v, pad_k), q_pos, kv_valid, block_k)
+  if (seg_start is None) != (shared is None):
+    raise ValueError("flash_attention takes seg_start and shared together; pass both or neither.")
+  seg = None
+  if seg_start is not None:  # laid out as q_pos; padded queries start past every key
+    seg_start = jnp.pad(seg_start.astype(jnp.int32), ((0, 0), (0, nq * block_q - t)),
+                        constant_values=nk * block_k)
+    seg = (jnp.repeat(seg_start.reshape(b, nq, block_q).transpose(1, 0, 2), g, axis=2),
+           shared.astype(jnp.int32))
+  out = _flash(q, jnp.pad(k, pad_k), jnp.pad(v, pad_k), q_pos, kv_valid, seg, block_k)
   out = out.reshape(nq, b, kh, block_q, g, dh).transpose(1, 0, 3, 2, 4, 5)
   return out.reshape(b, nq * block_q, kh * g * dh)[:, :t].astype(v.dtype)
 
@@ -345,14 +432,36 @@ def _key_blocks(q_pos: jax.Array, kv_valid: jax.Array, block_k: int) -> jax.Arra
   return jnp.maximum(last // block_k + 1, 0)
 
 
-def _block_scores(q: jax.Array, k: jax.Array, q_pos: jax.Array, kv_valid: jax.Array,
+def _key_ranges(q_pos: jax.Array, kv_valid: jax.Array, block_k: int, seg
+                ) -> list[tuple[jax.Array | int, jax.Array]]:
+  """The key blocks a query block visits, as disjoint [lo, hi) ranges (lo >= hi: none).
+
+  Without segments (seg None) blocks 0 .. `_key_blocks`; with them (seg = starts [B, R],
+  shared [B]) the blocks of the longest shared opening, then those from the one holding the
+  smallest start on: the blocks between hold only other segments' keys. The second range
+  begins where the first ends when they overlap, so no block counts twice.
+  """
+  end = _key_blocks(q_pos, kv_valid, block_k)
+  if seg is None:
+    return [(0, end)]
+  starts, shared = seg
+  opening = jnp.minimum(-(-jnp.max(shared) // block_k), end)
+  return [(0, opening), (jnp.maximum(jnp.min(starts) // block_k, opening), end)]
+
+
+def _block_scores(q: jax.Array, k: jax.Array, q_pos: jax.Array, kv_valid: jax.Array, seg,
                   j: jax.Array, block_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Scores of query rows q [B, K, R, Dh] against key block j of k [B, K, S, Dh]: (scores
-  [B, K, R, bk] float32 with the masked ones at -inf, mask [B, 1, R, bk], the block's keys)."""
+  """Scores of query rows q [B, K, R, Dh] against key block j of k [B, K, S, Dh], with
+  segments seg (starts [B, R], shared [B]) or None: (scores [B, K, R, bk] float32 with the
+  masked ones at -inf, mask [B, 1, R, bk], the block's keys)."""
   kj = jax.lax.dynamic_slice_in_dim(k, j * block_k, block_k, axis=2)
   valid = jax.lax.dynamic_slice_in_dim(kv_valid, j * block_k, block_k, axis=1)
   slots = j * block_k + jnp.arange(block_k)
   mask = valid[:, None, None, :] & (slots[None, None, None, :] <= q_pos[:, None, :, None])
+  if seg is not None:
+    starts, shared = seg
+    mask &= _segment_visible(slots[None, None, None, :], starts[:, None, :, None],
+                             shared[:, None, None, None])
   scores = jnp.einsum("bkrd,bksd->bkrs", q, kj, preferred_element_type=jnp.float32)
   scores = jnp.where(mask, scores * (q.shape[-1] ** -0.5), _NEG_INF)
   return scores, mask, kj
@@ -380,18 +489,24 @@ def _zeros_after(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return after(x, jnp.zeros(shape, jnp.float32))
 
 
-def _flash_forward(q, k, v, q_pos, kv_valid, block_k):
+def _query_block_segments(seg, i):
+  """Query block i's segments (starts [B, R], shared [B]) from seg (starts [nq, B, R],
+  shared [B]), or None."""
+  return None if seg is None else (seg[0][i], seg[1])
+
+
+def _flash_forward(q, k, v, q_pos, kv_valid, seg, block_k):
   """Output [nq, B, K, R, Dh] float32 and log-sum-exp [nq, B, K, R] of query blocks q
   [nq, B, K, R, Dh] (`flash_attention`'s layout); a row that sees no key gets 0 and a
   log-sum-exp of +1e30, so that its recomputed probabilities are 0."""
 
   def query_block(i, outputs):
-    qi, pos = q[i], q_pos[i]
+    qi, pos, seg_i = q[i], q_pos[i], _query_block_segments(seg, i)
     rows = qi.shape[:3]
 
     def key_block(j, carry):
       peak, total, acc = carry
-      scores, mask, _ = _block_scores(qi, k, pos, kv_valid, j, block_k)
+      scores, mask, _ = _block_scores(qi, k, pos, kv_valid, seg_i, j, block_k)
       vj = jax.lax.dynamic_slice_in_dim(v, j * block_k, block_k, axis=2)
       new_peak = jnp.maximum(peak, jnp.max(scores, axis=-1))
       p = jnp.where(mask, jnp.exp(scores - new_peak[..., None]), 0.0)
@@ -400,10 +515,11 @@ def _flash_forward(q, k, v, q_pos, kv_valid, block_k):
                                                  preferred_element_type=jnp.float32)
       return new_peak, total * shrink + jnp.sum(p, axis=-1), acc
 
-    init = (jnp.full(rows, _NEG_INF, jnp.float32), jnp.zeros(rows, jnp.float32),
-            jnp.zeros(rows + (qi.shape[-1],), jnp.float32))
-    peak, total, acc = jax.lax.fori_loop(0, _key_blocks(pos, kv_valid, block_k), key_block,
-                                         init)
+    carry = (jnp.full(rows, _NEG_INF, jnp.float32), jnp.zeros(rows, jnp.float32),
+             jnp.zeros(rows + (qi.shape[-1],), jnp.float32))
+    for lo, hi in _key_ranges(pos, kv_valid, block_k, seg_i):
+      carry = jax.lax.fori_loop(lo, hi, key_block, carry)
+    peak, total, acc = carry
     seen = total > 0
     out = acc / jnp.where(seen, total, 1.0)[..., None]
     lse = jnp.where(seen, peak + jnp.log(jnp.where(seen, total, 1.0)), -_NEG_INF)
@@ -415,20 +531,20 @@ def _flash_forward(q, k, v, q_pos, kv_valid, block_k):
   return jax.lax.fori_loop(0, q.shape[0], query_block, outputs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_pos, kv_valid, block_k):
-  return _flash_forward(q, k, v, q_pos, kv_valid, block_k)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_pos, kv_valid, seg, block_k):
+  return _flash_forward(q, k, v, q_pos, kv_valid, seg, block_k)[0]
 
 
-def _flash_fwd(q, k, v, q_pos, kv_valid, block_k):
-  out, lse = _flash_forward(q, k, v, q_pos, kv_valid, block_k)
-  return out, (q, k, v, q_pos, kv_valid, out, lse)
+def _flash_fwd(q, k, v, q_pos, kv_valid, seg, block_k):
+  out, lse = _flash_forward(q, k, v, q_pos, kv_valid, seg, block_k)
+  return out, (q, k, v, q_pos, kv_valid, seg, out, lse)
 
 
 def _flash_bwd(block_k, residuals, d_out):
   """FlashAttention-2's backward (arXiv 2307.08691, Algorithm 2): per query block, the key
   blocks it visited again, probabilities recomputed from the saved log-sum-exp."""
-  q, k, v, q_pos, kv_valid, out, lse = residuals
+  q, k, v, q_pos, kv_valid, seg, out, lse = residuals
   scale = q.shape[-1] ** -0.5
   d_out = d_out.astype(jnp.float32)
   delta = jnp.sum(d_out * out, axis=-1)  # [nq, B, K, R]: rowsum(dO * O)
@@ -436,10 +552,11 @@ def _flash_bwd(block_k, residuals, d_out):
   def query_block(i, carry):
     dq_all, dk, dv = carry
     qi, pos, do, lse_i, delta_i = q[i], q_pos[i], d_out[i], lse[i], delta[i]
+    seg_i = _query_block_segments(seg, i)
 
     def key_block(j, carry):
       dq, dk, dv = carry
-      scores, mask, kj = _block_scores(qi, k, pos, kv_valid, j, block_k)
+      scores, mask, kj = _block_scores(qi, k, pos, kv_valid, seg_i, j, block_k)
       vj = jax.lax.dynamic_slice_in_dim(v, j * block_k, block_k, axis=2)
       p = jnp.where(mask, jnp.exp(scores - lse_i[..., None]), 0.0)
       dp = jnp.einsum("bkrd,bksd->bkrs", do, vj, preferred_element_type=jnp.float32)
@@ -452,13 +569,15 @@ def _flash_bwd(block_k, residuals, d_out):
       dv = add(dv, jnp.einsum("bkrs,bkrd->bksd", p, do, preferred_element_type=jnp.float32))
       return dq, dk, dv
 
-    dq, dk, dv = jax.lax.fori_loop(0, _key_blocks(pos, kv_valid, block_k), key_block,
-                                   (jnp.zeros(qi.shape, jnp.float32), dk, dv))
+    carry = (jnp.zeros(qi.shape, jnp.float32), dk, dv)
+    for lo, hi in _key_ranges(pos, kv_valid, block_k, seg_i):  # the forward's blocks
+      carry = jax.lax.fori_loop(lo, hi, key_block, carry)
+    dq, dk, dv = carry
     return dq_all.at[i].set(dq), dk, dv
 
   dq, dk, dv = jax.lax.fori_loop(0, q.shape[0], query_block, (
       _zeros_after(d_out, q.shape), _zeros_after(d_out, k.shape), _zeros_after(d_out, k.shape)))
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -467,6 +586,24 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def _blockwise_self(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) -> jax.Array:
   positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), valid.shape)
   return flash_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, valid)
+
+
+# Largest block of the packed rows' blockwise form: a query block skips only the key blocks
+# that hold none of its segments' keys and none of the opening's, so blocks much longer than a
+# segment would skip nothing.
+_SEGMENT_BLOCK = 128
+
+
+def _blockwise_segments(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
+                        segments: Segments) -> jax.Array:
+  t = q.shape[1]
+  index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), valid.shape)
+  # Padded queries see nothing (output 0) and start past every key: whatever the caller put
+  # in their starts, they pull no key block into their query block's loops.
+  block = _flash_block(t, _SEGMENT_BLOCK)
+  return flash_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+                         jnp.where(valid, index, -1), valid, block, block,
+                         seg_start=jnp.where(valid, segments.starts, t), shared=segments.shared)
 
 
 def _blockwise_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array
@@ -641,8 +778,8 @@ def _pallas(interpret: bool) -> tuple[Callable[..., jax.Array], Callable[..., ja
   return self_form, cache_form
 
 
-register_kernel("xla", _xla_self, _xla_cache)
-register_kernel("blockwise", _blockwise_self, _blockwise_cache)
-register_kernel("cudnn", _cudnn_self, _blockwise_cache)
+register_kernel("xla", _xla_self, _xla_cache, _xla_segments)
+register_kernel("blockwise", _blockwise_self, _blockwise_cache, _blockwise_segments)
+register_kernel("cudnn", _cudnn_self, _blockwise_cache, _blockwise_segments)
 register_kernel("pallas", *_pallas(interpret=False))
 register_kernel("pallas_interpret", *_pallas(interpret=True))
