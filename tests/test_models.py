@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from agentgym_jax.models import Decoder, KVCache, ModelConfig, ValueModel
-from agentgym_jax.models.decoder import RMSNorm, apply_rope, rope_tables
+from agentgym_jax.models import attention as attention_lib
+from agentgym_jax.models.decoder import Backbone, RMSNorm, Segments, apply_rope, rope_tables
 
 TINY = ModelConfig(vocab_size=128, hidden_size=48, intermediate_size=80, num_layers=2,
                    num_heads=6, num_kv_heads=2, head_dim=8, qkv_bias=True, qk_norm=True,
@@ -361,3 +362,91 @@ def test_live_bound_reads_only_the_first_slots_and_matches_the_whole_cache(model
     np.testing.assert_allclose(x, y, atol=1e-6)
   with pytest.raises(ValueError, match="outside 1..32"):
     cache.with_live(33)
+
+
+# ----- packed rows (Segments) ------------------------------------------------------------------
+
+def _packed_and_unpacked(opening, lengths, pad, seed=8):
+  """One packed row [opening | c1 | c2 | ... | pad] and the rows [opening + ci] it stands for.
+
+  Returns (tokens [1, T], valid [1, T], Segments), (tokens [N, U], valid [N, U]) and where
+  each valid packed token lies unpacked: (rows, positions), [n_valid] each.
+  """
+  rng = np.random.RandomState(seed)
+  prefix = rng.randint(0, TINY.vocab_size, opening)
+  conts = [rng.randint(0, TINY.vocab_size, n) for n in lengths]
+  n_valid = opening + sum(lengths)
+  t, u = n_valid + pad, opening + max(lengths) + 2
+  tokens, starts, positions = np.zeros((3, 1, t), np.int32)
+  tokens[0, :n_valid] = np.concatenate([prefix] + conts)
+  tokens[0, n_valid:] = rng.randint(0, TINY.vocab_size, pad)  # padding: junk, must not matter
+  positions[0, :opening] = np.arange(opening)
+  rows, where = [0] * opening, list(range(opening))
+  unpacked = np.zeros((len(lengths), u), np.int32)
+  at = opening
+  for i, cont in enumerate(conts):
+    starts[0, at:at + len(cont)] = at
+    positions[0, at:at + len(cont)] = opening + np.arange(len(cont))
+    unpacked[i, :opening + len(cont)] = np.concatenate([prefix, cont])
+    rows += [i] * len(cont)
+    where += list(opening + np.arange(len(cont)))
+    at += len(cont)
+  segments = Segments(positions=jnp.asarray(positions), starts=jnp.asarray(starts),
+                      shared=jnp.asarray([opening], jnp.int32))
+  unpacked_valid = np.arange(u)[None] < (opening + np.asarray(lengths))[:, None]
+  packed = (jnp.asarray(tokens), jnp.arange(t)[None] < n_valid, segments)
+  return packed, (jnp.asarray(unpacked), jnp.asarray(unpacked_valid)), (np.array(rows),
+                                                                       np.array(where))
+
+
+@pytest.mark.parametrize("attention", ["blockwise", "xla"])
+@pytest.mark.parametrize("layer_loop, remat", [("unroll", True), ("unroll", False),
+                                               ("scan", True)])
+def test_packed_row_equals_its_sequences_in_rows_of_their_own(model, monkeypatch, attention,
+                                                               layer_loop, remat):
+  """One row [opening | c1 | c2 | c3 | pad] with `Segments` gives each token the hidden state
+  it has in the row [opening + ci] of its own, within 1e-5, and a loss read at corresponding
+  positions has the same gradients w.r.t. every parameter (within 1e-5 of their scale): the
+  opening's keys, shared by three sequences, collect all three's gradients. Blockwise blocks
+  of 4 tokens, so segments and the opening end inside blocks."""
+  monkeypatch.setattr(attention_lib, "_SEGMENT_BLOCK", 4)
+  (tokens, valid, segments), (rows_tokens, rows_valid), (rows, where) = _packed_and_unpacked(
+      opening=5, lengths=[4, 6, 3], pad=3)
+  n = len(rows)
+  cfg = dataclasses.replace(TINY, attention=attention, layer_loop=layer_loop, remat=remat)
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Backbone(cfg, rngs=nnx.Rngs(0))))
+  state = nnx.split(model.backbone)[1]
+  weights = jax.random.normal(jax.random.key(3), (n, TINY.hidden_size))
+
+  def packed(state):
+    hidden = nnx.merge(graphdef, state)(tokens, valid, segments)[0, :n]
+    return jnp.sum(hidden * weights), hidden
+
+  def unpacked(state):
+    hidden = nnx.merge(graphdef, state)(rows_tokens, rows_valid)[rows, where]
+    return jnp.sum(hidden * weights), hidden
+
+  run = lambda loss: jax.jit(jax.grad(loss, has_aux=True))(state)
+  (grads, hidden), (ref_grads, ref_hidden) = run(packed), run(unpacked)
+  np.testing.assert_allclose(hidden, ref_hidden, atol=1e-5)
+  for path, g in nnx.to_flat_state(grads):
+    ref = dict(nnx.to_flat_state(ref_grads))[path]
+    scale = float(np.abs(ref[...]).max())
+    assert scale > 0, path
+    np.testing.assert_allclose(g[...], ref[...], atol=1e-5 * scale, err_msg=str(path))
+
+
+def test_decoder_and_value_model_pass_segments_on(model):
+  """Decoder and ValueModel read packed rows through the backbone: their outputs are the
+  head's of the backbone's hidden states with the same `Segments`."""
+  (tokens, valid, segments), _, _ = _packed_and_unpacked(opening=3, lengths=[2, 4], pad=2)
+  hidden = nnx.jit(lambda m: m.backbone(tokens, valid, segments))(model)
+  assert not np.allclose(hidden, nnx.jit(lambda m: m.backbone(tokens, valid))(model), atol=1e-3)
+  np.testing.assert_allclose(nnx.jit(lambda m: m(tokens, valid, segments))(model),
+                             nnx.jit(lambda m: m.logits_from_hidden(hidden))(model), atol=1e-5)
+  critic = ValueModel(TINY, rngs=nnx.Rngs(1))
+  critic.head[...] = jnp.ones((TINY.hidden_size,))
+  np.testing.assert_allclose(
+      nnx.jit(lambda c: c(tokens, valid, segments))(critic),
+      nnx.jit(lambda c: c.backbone(tokens, valid, segments))(critic).sum(-1), rtol=1e-5,
+      atol=1e-5)

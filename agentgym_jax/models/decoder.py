@@ -29,6 +29,11 @@ The full-sequence (training) forward takes its RoPE tables as host constants, no
 softmax after the value matmul and skips the key blocks above the causal diagonal: work outside
 the big matmuls, where a profile found XLA:CPU losing time (benchmarks/README.md, Update, has
 the measurements, with those of the one-pass log-prob and entropy of `rl.logprobs`).
+
+Given `Segments` (packed rows: sequences back to back after an optional shared opening), the
+training forward takes each token's RoPE position from them and attends by their rule
+(`attention.segment_attention`), so each sequence's hidden states are those it would have in a
+row of its own.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from flax import nnx
 from agentgym_jax import sharding
 from agentgym_jax.models import attention as attention_lib
 from agentgym_jax.models import lora as lora_lib
+from agentgym_jax.models.attention import Segments
 from agentgym_jax.models.cache import KVCache
 from agentgym_jax.models.config import LAYER_LOOPS, ModelConfig
 
@@ -184,11 +190,15 @@ class Block(nnx.Module):
     h = jax.nn.silu(h[..., 0]) * h[..., 1]
     return x + self._project(h, "down")
 
-  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, valid: jax.Array
-               ) -> jax.Array:
-    """Causal self-attention over the chunk itself: x [B, T, D], valid [B, T] -> [B, T, D]."""
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, valid: jax.Array,
+               segments: Segments | None = None) -> jax.Array:
+    """Self-attention over the chunk itself: x [B, T, D], valid [B, T] -> [B, T, D]; causal,
+    or by `Segments`'s rule when given (cos, sin then at segments.positions)."""
     q, k, v = self.project_qkv(x, cos, sin)
-    out = attention_lib.self_attention(q, k, v, valid, self.cfg.attention)
+    if segments is None:
+      out = attention_lib.self_attention(q, k, v, valid, self.cfg.attention)
+    else:
+      out = attention_lib.segment_attention(q, k, v, valid, segments, self.cfg.attention)
     return self.finish(x, out)
 
 
@@ -290,18 +300,23 @@ class Backbone(nnx.Module):
     # 0 * NaN into the attention of valid tokens.
     return jnp.take(_base(self.embed, self.cfg), tokens, axis=0, mode="clip")
 
-  def __call__(self, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, valid: jax.Array, segments: Segments | None = None
+               ) -> jax.Array:
     """tokens [B, T] int32, valid [B, T] bool -> final-normed hidden states [B, T, D].
 
-    Token t sits at position t; it attends to keys s <= t with valid[b, s].
+    Token t sits at position t; it attends to keys s <= t with valid[b, s]. With `segments`
+    (packed rows) it sits at segments.positions[b, t] and attends by `Segments`'s rule.
     """
     t = tokens.shape[1]
-    # Static positions 0..T-1: RoPE tables become constants, not sin/cos inside the fusions.
-    cos, sin = rope_tables(self.cfg, np.arange(t, dtype=np.int32)[None])  # [1, T, Dh]
+    if segments is None:
+      # Static positions 0..T-1: RoPE tables become constants, not sin/cos inside the fusions.
+      cos, sin = rope_tables(self.cfg, np.arange(t, dtype=np.int32)[None])  # [1, T, Dh]
+    else:
+      cos, sin = rope_tables(self.cfg, segments.positions)  # [B, T, Dh]
     valid = valid.astype(bool)
 
     def layer(block: Block, x: jax.Array) -> jax.Array:
-      return sharding.constrain(block(x, cos, sin, valid), _ACTIVATION)
+      return sharding.constrain(block(x, cos, sin, valid, segments), _ACTIVATION)
 
     x = sharding.constrain(self._embed(tokens), _ACTIVATION)
     if resolve_layer_loop(self.cfg.layer_loop) == "scan":
@@ -364,12 +379,14 @@ class Decoder(nnx.Module):
                           preferred_element_type=jnp.float32)
     return logits.reshape(hidden.shape[:-1] + logits.shape[-1:])
 
-  def __call__(self, tokens: jax.Array, valid: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, valid: jax.Array, segments: Segments | None = None
+               ) -> jax.Array:
     """Full forward over right-padded rows: tokens [B, T], valid [B, T] -> [B, T, V] float32.
 
-    Token t has position t and attends to keys s <= t that are valid.
+    Token t has position t and attends to keys s <= t that are valid; with `segments` (packed
+    rows) it has position segments.positions[b, t] and attends by `Segments`'s rule.
     """
-    return self.logits_from_hidden(self.backbone(tokens, valid))
+    return self.logits_from_hidden(self.backbone(tokens, valid, segments))
 
   def extend(self, tokens: jax.Array, num_new: jax.Array, cache: KVCache
              ) -> tuple[jax.Array, KVCache]:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from agentgym_jax.models.config import ModelConfig
-from agentgym_jax.models.decoder import Backbone, _param
+from agentgym_jax.models.decoder import Backbone, Segments, _param
 
 
 class ValueModel(nnx.Module):
@@ -25,9 +25,11 @@ class ValueModel(nnx.Module):
     self.head = _param(jnp.zeros((cfg.hidden_size,), cfg.dtype), ("embed",))
     self.head_bias = _param(jnp.zeros((), jnp.float32), ())
 
-  def __call__(self, tokens: jax.Array, valid: jax.Array) -> jax.Array:
-    """tokens [B, T] int32, valid [B, T] bool -> values [B, T] float32."""
-    hidden = self.backbone(tokens, valid)
+  def __call__(self, tokens: jax.Array, valid: jax.Array, segments: Segments | None = None
+               ) -> jax.Array:
+    """tokens [B, T] int32, valid [B, T] bool, optional packed rows' `Segments` -> values
+    [B, T] float32."""
+    hidden = self.backbone(tokens, valid, segments)
     values = jnp.einsum("btd,d->bt", hidden, self.head[...],
                         preferred_element_type=jnp.float32)
     return values + self.head_bias[...]
