@@ -591,7 +591,7 @@ def _blockwise_self(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array) 
 # Largest block of the packed rows' blockwise form: a query block skips only the key blocks
 # that hold none of its segments' keys and none of the opening's, so blocks much longer than a
 # segment would skip nothing.
-_SEGMENT_BLOCK = 128
+_SEGMENT_BLOCK = 64
 
 
 def _blockwise_segments(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
