@@ -7,8 +7,8 @@ block, to tell what packing saves from what smaller blocks do.
 SmolLM2-135M's attention (3 kv heads of 3 query heads, head_dim 64), float32, one group of
 BabyAI's update: an opening of 490 tokens and 4 continuations, each row padded to 1,536.
 
-  python benchmarks/packed_attention_bench.py [--continuations 300,250,350,280]
-      [--blocks 32,64,128,256,512] [--repeats 7]
+  python benchmarks/packed_attention_bench.py [--opening 490] [--row 1536]
+      [--continuations 300,250,350,280] [--blocks 32,64,128,256,512] [--repeats 7]
 
 Last line: `ratio: <separate rows / packed row at the default block>`.
 """
@@ -26,7 +26,7 @@ import numpy as np
 from agentgym_jax.models import attention as attn
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
 
-KV_HEADS, GROUP, HEAD_DIM, ROW = 3, 3, 64, 1536
+KV_HEADS, GROUP, HEAD_DIM = 3, 3, 64
 
 
 def _median_seconds(fn, args, repeats: int) -> float:
@@ -71,6 +71,7 @@ def _packed_row(opening: int, continuations: list[int]):
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--opening", type=int, default=490)
+  parser.add_argument("--row", type=int, default=1536, help="the separate rows' padded length")
   parser.add_argument("--continuations", default="300,250,350,280")
   parser.add_argument("--blocks", default="32,64,128,256,512")
   parser.add_argument("--repeats", type=int, default=7)
@@ -78,15 +79,16 @@ def main() -> None:
   continuations = [int(c) for c in args.continuations.split(",")]
   loadavg.report("start")
 
-  valid = jnp.arange(ROW)[None] < (args.opening + jnp.asarray(continuations))[:, None]
+  row = args.row
+  valid = jnp.arange(row)[None] < (args.opening + jnp.asarray(continuations))[:, None]
   separate = _median_seconds(
       _grad(lambda q, k, v, valid: attn.self_attention(q, k, v, valid, "blockwise")),
-      (*_qkv(len(continuations), ROW), valid), args.repeats)
-  print(f"{len(continuations)} rows of {ROW}, causal blockwise: {separate * 1e3:.0f} ms")
-  positions = jnp.broadcast_to(jnp.arange(ROW), valid.shape)
+      (*_qkv(len(continuations), row), valid), args.repeats)
+  print(f"{len(continuations)} rows of {row}, causal blockwise: {separate * 1e3:.0f} ms")
+  positions = jnp.broadcast_to(jnp.arange(row), valid.shape)
   small = _median_seconds(_grad(lambda q, k, v, valid: attn.flash_attention(
       q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions, valid,
-      attn._SEGMENT_BLOCK, attn._SEGMENT_BLOCK)), (*_qkv(len(continuations), ROW), valid),
+      attn._SEGMENT_BLOCK, attn._SEGMENT_BLOCK)), (*_qkv(len(continuations), row), valid),
                           args.repeats)
   print(f"the same, blocks of {attn._SEGMENT_BLOCK} (the packed form's default): "
         f"{small * 1e3:.0f} ms")
