@@ -569,8 +569,9 @@ def _flash_bwd(block_k, residuals, d_out):
       dv = add(dv, jnp.einsum("bkrs,bkrd->bksd", p, do, preferred_element_type=jnp.float32))
       return dq, dk, dv
 
+    ranges = _key_ranges(pos, kv_valid, block_k, seg_i)  # the forward's blocks
     carry = (jnp.zeros(qi.shape, jnp.float32), dk, dv)
-    for lo, hi in _key_ranges(pos, kv_valid, block_k, seg_i):  # the forward's blocks
+    for lo, hi in ranges:
       carry = jax.lax.fori_loop(lo, hi, key_block, carry)
     dq, dk, dv = carry
     return dq_all.at[i].set(dq), dk, dv
