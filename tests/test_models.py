@@ -399,10 +399,32 @@ def _packed_and_unpacked(opening, lengths, pad, seed=8):
                                                                        np.array(where))
 
 
+_PACKED = _packed_and_unpacked(opening=5, lengths=[4, 6, 3], pad=3)
+
+
+def _corresponding_loss(cfg, state, tokens, valid, segments, gather):
+  """sum(hidden[gather] * weights) of the backbone of `cfg` with parameters `state`, and the
+  gathered hidden states [n, D]."""
+  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Backbone(cfg, rngs=nnx.Rngs(0))))
+  hidden = nnx.merge(graphdef, state)(tokens, valid, segments)[gather]
+  weights = jax.random.normal(jax.random.key(3), hidden.shape)
+  return jnp.sum(hidden * weights), hidden
+
+
+@pytest.fixture(scope="module")
+def rows_of_their_own(model):
+  """Gradients and hidden states of the sequences of `_PACKED` in rows of their own (TINY's
+  attention and layer loop), read at the packed row's valid tokens."""
+  _, (tokens, valid), (rows, where) = _PACKED
+  loss = lambda state: _corresponding_loss(TINY, state, tokens, valid, None, (rows, where))
+  return jax.jit(jax.grad(loss, has_aux=True))(nnx.split(model.backbone)[1])
+
+
 @pytest.mark.parametrize("attention", ["blockwise", "xla"])
 @pytest.mark.parametrize("layer_loop, remat", [("unroll", True), ("unroll", False),
                                                ("scan", True)])
-def test_packed_row_equals_its_sequences_in_rows_of_their_own(model, monkeypatch, attention,
+def test_packed_row_equals_its_sequences_in_rows_of_their_own(model, rows_of_their_own,
+                                                               monkeypatch, attention,
                                                                layer_loop, remat):
   """One row [opening | c1 | c2 | c3 | pad] with `Segments` gives each token the hidden state
   it has in the row [opening + ci] of its own, within 1e-5, and a loss read at corresponding
@@ -410,43 +432,36 @@ def test_packed_row_equals_its_sequences_in_rows_of_their_own(model, monkeypatch
   opening's keys, shared by three sequences, collect all three's gradients. Blockwise blocks
   of 4 tokens, so segments and the opening end inside blocks."""
   monkeypatch.setattr(attention_lib, "_SEGMENT_BLOCK", 4)
-  (tokens, valid, segments), (rows_tokens, rows_valid), (rows, where) = _packed_and_unpacked(
-      opening=5, lengths=[4, 6, 3], pad=3)
-  n = len(rows)
+  (tokens, valid, segments), _, (rows, _) = _PACKED
   cfg = dataclasses.replace(TINY, attention=attention, layer_loop=layer_loop, remat=remat)
-  graphdef, _ = nnx.split(nnx.eval_shape(lambda: Backbone(cfg, rngs=nnx.Rngs(0))))
-  state = nnx.split(model.backbone)[1]
-  weights = jax.random.normal(jax.random.key(3), (n, TINY.hidden_size))
-
-  def packed(state):
-    hidden = nnx.merge(graphdef, state)(tokens, valid, segments)[0, :n]
-    return jnp.sum(hidden * weights), hidden
-
-  def unpacked(state):
-    hidden = nnx.merge(graphdef, state)(rows_tokens, rows_valid)[rows, where]
-    return jnp.sum(hidden * weights), hidden
-
-  run = lambda loss: jax.jit(jax.grad(loss, has_aux=True))(state)
-  (grads, hidden), (ref_grads, ref_hidden) = run(packed), run(unpacked)
+  loss = lambda state: _corresponding_loss(cfg, state, tokens, valid, segments,
+                                           (0, slice(0, len(rows))))
+  grads, hidden = jax.jit(jax.grad(loss, has_aux=True))(nnx.split(model.backbone)[1])
+  ref_grads, ref_hidden = rows_of_their_own
   np.testing.assert_allclose(hidden, ref_hidden, atol=1e-5)
+  ref_grads = dict(nnx.to_flat_state(ref_grads))
   for path, g in nnx.to_flat_state(grads):
-    ref = dict(nnx.to_flat_state(ref_grads))[path]
-    scale = float(np.abs(ref[...]).max())
+    ref = ref_grads[path][...]
+    scale = float(np.abs(ref).max())
     assert scale > 0, path
-    np.testing.assert_allclose(g[...], ref[...], atol=1e-5 * scale, err_msg=str(path))
+    np.testing.assert_allclose(g[...], ref, atol=1e-5 * scale, err_msg=str(path))
 
 
 def test_decoder_and_value_model_pass_segments_on(model):
   """Decoder and ValueModel read packed rows through the backbone: their outputs are the
-  head's of the backbone's hidden states with the same `Segments`."""
-  (tokens, valid, segments), _, _ = _packed_and_unpacked(opening=3, lengths=[2, 4], pad=2)
-  hidden = nnx.jit(lambda m: m.backbone(tokens, valid, segments))(model)
-  assert not np.allclose(hidden, nnx.jit(lambda m: m.backbone(tokens, valid))(model), atol=1e-3)
-  np.testing.assert_allclose(nnx.jit(lambda m: m(tokens, valid, segments))(model),
-                             nnx.jit(lambda m: m.logits_from_hidden(hidden))(model), atol=1e-5)
-  critic = ValueModel(TINY, rngs=nnx.Rngs(1))
-  critic.head[...] = jnp.ones((TINY.hidden_size,))
-  np.testing.assert_allclose(
-      nnx.jit(lambda c: c(tokens, valid, segments))(critic),
-      nnx.jit(lambda c: c.backbone(tokens, valid, segments))(critic).sum(-1), rtol=1e-5,
-      atol=1e-5)
+  head's of the backbone's hidden states with the same `Segments` (which change them)."""
+  (tokens, valid, segments), _, _ = _PACKED
+
+  @nnx.jit
+  def outputs(model):
+    critic = ValueModel(TINY, rngs=nnx.Rngs(1))
+    critic.head[...] = jnp.ones((TINY.hidden_size,))
+    hidden = model.backbone(tokens, valid, segments)
+    return (hidden, model.backbone(tokens, valid), model(tokens, valid, segments),
+            model.logits_from_hidden(hidden), critic(tokens, valid, segments),
+            critic.backbone(tokens, valid, segments).sum(-1))
+
+  hidden, unpacked, logits, ref_logits, values, ref_values = outputs(model)
+  assert not np.allclose(hidden, unpacked, atol=1e-3)
+  np.testing.assert_allclose(logits, ref_logits, atol=1e-5)
+  np.testing.assert_allclose(values, ref_values, rtol=1e-5, atol=1e-5)
