@@ -229,7 +229,20 @@ class Run:
     return update_lib.build_batch(
         self.spec, tokens=array(jnp.int32), valid=array(jnp.bool_), loss_mask=array(jnp.bool_),
         old_logprobs=floats, advantages=floats, ref_logprobs=floats, returns=floats,
-        values=floats, rollout_logprobs=floats)
+        values=floats, rollout_logprobs=floats, packed=self.packed(rows))
+
+  def packed(self, rows: NamedSharding) -> dict[str, Any] | None:
+    """The batch's packed rows (`algo.pack_rows`) at their largest: no shared opening, every
+    row full, k rows in one."""
+    k = self.update_cfg.pack_rows
+    if k == 1:
+      return None
+    shape = (self.rows // k, bucket_length(k * self.length))
+    array = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+    return {"packed_index": array((self.rows, self.length), jnp.int32),
+            "packed": {"tokens": array(shape, jnp.int32), "valid": array(shape, jnp.bool_),
+                       "positions": array(shape, jnp.int32), "starts": array(shape, jnp.int32),
+                       "shared": array(shape[:1], jnp.int32)}}
 
 
 # ----- FLOPs by formula ---------------------------------------------------------------------
@@ -417,15 +430,14 @@ def plan(config: ml_collections.ConfigDict, target: Target,
   batch = run.batch()
   score_logprobs, score_values = update_lib.make_scorers(run.policy_def, run.critic_def,
                                                          run.update_cfg, run.mesh)
-  tokens, valid = batch["tokens"], batch["valid"]
+  forward = {k: v for k, v in batch.items()
+             if k in ("tokens", "valid", "scored_positions", "packed_index", "packed")}
   compile_program(
-      "score_logprobs",
-      lambda: score_logprobs.lower(run.state.policy, tokens, valid,
-                                   batch.get("scored_positions")),
+      "score_logprobs", lambda: score_logprobs.lower(run.state.policy, forward),
       resident=state_bytes - per_chip_bytes(run.state.policy) + per_chip_bytes(batch))
   if score_values is not None:
     compile_program(
-        "score_values", lambda: score_values.lower(run.state.critic, tokens, valid),
+        "score_values", lambda: score_values.lower(run.state.critic, forward),
         resident=state_bytes - per_chip_bytes(run.state.critic) + per_chip_bytes(batch))
   update_step = update_lib.make_update_step(run.policy_def, run.critic_def, run.optimizers,
                                             run.update_cfg, run.mesh, run.shardings)

@@ -230,7 +230,8 @@ class EvalSettings:
       (0: greedy) and per-turn token cap.
     rollout: the training rollouts' settings, which the episodes keep in everything the
       fields above do not set (top-p/top-k, context, history window).
-    rows: episodes run at a time, those of one training step (known to fit in memory).
+    rows: episodes run at a time: eval.rows, by default (0) those of one training step (known
+      to fit in memory).
     seed: the run's seed, written in the report.
     pass_criterion: "score>0" or "success".
     ks: Pass@k estimates to add (k > n are skipped).
@@ -256,6 +257,9 @@ def evaluation(config: ml_collections.ConfigDict, **overrides: Any) -> EvalSetti
   The turn limit is eval.max_turns, by default (0) the schedule's longest horizon: the turn
   budget the trained agent is meant for.
   """
+  if config.eval.rows < 0:
+    raise ValueError(f"eval.rows must be >= 0 (0 = one training step's rows), got "
+                     f"{config.eval.rows}.")
   if config.eval.max_turns < 0:
     raise ValueError(f"eval.max_turns must be >= 0 (0 = the schedule's longest horizon), got "
                      f"{config.eval.max_turns}.")
@@ -264,6 +268,7 @@ def evaluation(config: ml_collections.ConfigDict, **overrides: Any) -> EvalSetti
       num_samples=config.eval.group_size,
       max_turns=config.eval.max_turns or max(config.schedule.horizons),
       temperature=config.eval.temperature, max_reply_tokens=config.rollout.max_reply_tokens,
-      rollout=rollout(config), rows=config.data.batch_tasks * config.data.group_size,
+      rollout=rollout(config),
+      rows=config.eval.rows or config.data.batch_tasks * config.data.group_size,
       seed=config.seed)
   return dataclasses.replace(settings, **{k: v for k, v in overrides.items() if v is not None})

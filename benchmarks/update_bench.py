@@ -83,7 +83,7 @@ def jax_setup(cfg: ModelConfig, batch: dict, micro: int):
   step = update_lib.make_update_step(graphdef, None, opts, ucfg, mesh, shardings)
   logprobs, _ = update_lib.make_scorers(graphdef, None, ucfg, mesh)
   device_batch = sharding.shard_batch(batch, mesh)
-  old = logprobs(state.policy, device_batch["tokens"], device_batch["valid"], None)
+  old = logprobs(state.policy, {"tokens": device_batch["tokens"], "valid": device_batch["valid"]})
   device_batch.update(old_logprobs=old, ref_logprobs=old, rollout_logprobs=old)
   return model, step, state, device_batch
 

@@ -86,6 +86,11 @@ def test_policy_expert_and_evaluation_settings_map_every_field():
   assert evaluation == settings.EvalSettings(
       split="dev", num_tasks=7, num_samples=4, max_turns=2, temperature=0.5,
       max_reply_tokens=20, rollout=settings.rollout(config), rows=10, seed=3)
+  config.eval.rows = 48
+  assert settings.evaluation(config).rows == 48
+  config.eval.rows = -1
+  with pytest.raises(ValueError, match=r"eval.rows must be >= 0"):
+    settings.evaluation(config)
 
 
 def test_the_start_up_checks_exit_with_one_line():

@@ -49,6 +49,12 @@ def _config(**algo):
   return c
 
 
+def _forward(batch, positions=None):
+  """What the scorers and `sequence_logprobs_and_entropy` read of a batch."""
+  rows = {"tokens": batch["tokens"], "valid": batch["valid"]}
+  return rows if positions is None else rows | {"scored_positions": positions}
+
+
 def _batch(seed=0, rows=ROWS, length=LENGTH):
   """Right-padded rows with a prompt, two agent turns and an observation between them."""
   rng = np.random.default_rng(seed)
@@ -108,7 +114,8 @@ def test_blocked_lm_head_gives_the_same_logprobs_entropy_and_gradient(monkeypatc
 
   def loss(params):
     model = nnx.merge(graphdef, params)
-    logp, entropy = update_lib.sequence_logprobs_and_entropy(model, tokens, valid, 0.7)
+    logp, entropy = update_lib.sequence_logprobs_and_entropy(
+        model, {"tokens": tokens, "valid": valid}, 0.7)
     return jnp.sum(logp * batch["advantages"]) + jnp.sum(entropy), (logp, entropy)
 
   (_, want), want_grads = jax.value_and_grad(loss, has_aux=True)(params)
@@ -259,9 +266,9 @@ class _Run:
 
   def batch(self, state, seed=0, advantage=None):
     batch = sharding.shard_batch(_batch(seed), self.mesh)
-    batch["old_logprobs"] = self.logprobs(state.policy, batch["tokens"], batch["valid"], None)
+    batch["old_logprobs"] = self.logprobs(state.policy, _forward(batch))
     batch["ref_logprobs"] = batch["old_logprobs"]
-    batch["old_values"] = self.values(state.critic, batch["tokens"], batch["valid"])
+    batch["old_values"] = self.values(state.critic, _forward(batch))
     if advantage is not None:
       batch["advantages"] = jnp.where(batch["loss_mask"], advantage, 0.0)
     return batch
@@ -283,7 +290,7 @@ def test_update_moves_log_probs_in_the_advantage_direction(run, sign):
   mask = np.asarray(batch["loss_mask"])
   before = np.asarray(batch["old_logprobs"])[mask].mean()
   state, metrics = run.step(state, batch)
-  after = np.asarray(run.logprobs(state.policy, batch["tokens"], batch["valid"], None)
+  after = np.asarray(run.logprobs(state.policy, _forward(batch))
                      )[mask].mean()
   assert np.sign(after - before) == sign
   assert int(state.step) == 1 and float(metrics["actor/skipped"]) == 0.0
@@ -383,8 +390,7 @@ def test_the_jitted_steps_pin_activations_whoever_calls_them(run):
     return [line for line in lowered.as_text().splitlines()
             if "sharding_constraint" in line and line.rstrip().endswith(hidden)]
   update = activation_pins(run.step.lower(state, batch))
-  scoring = activation_pins(run.logprobs.lower(state.policy, batch["tokens"], batch["valid"],
-                                               None))
+  scoring = activation_pins(run.logprobs.lower(state.policy, _forward(batch)))
   # One pin after the embedding and one after each block, forward (and its remat/backward).
   assert len(update) >= CFG.num_layers + 1, update
   assert len(scoring) >= CFG.num_layers + 1, scoring
@@ -397,7 +403,7 @@ def test_bfloat16_compute_is_mixed_precision_with_float32_gradients():
 
   def loss(params, dtype):
     model = nnx.merge(graphdef, update_lib.as_compute(params, dtype))
-    logp, _ = update_lib.sequence_logprobs_and_entropy(model, batch["tokens"], batch["valid"])
+    logp, _ = update_lib.sequence_logprobs_and_entropy(model, _forward(batch))
     return jnp.sum(jnp.where(batch["loss_mask"], logp, 0.0))
 
   (full, full_grads), (mixed, mixed_grads) = (
@@ -480,14 +486,14 @@ def test_on_policy_update_equals_the_update_on_separately_scored_old_logprobs(es
   assert on.algo.old_logprobs_from_update
   state = run.fresh()
   batch = sharding.shard_batch(_batch(), mesh)
-  old = run.logprobs(state.policy, batch["tokens"], batch["valid"], None)
+  old = run.logprobs(state.policy, _forward(batch))
   mask = np.asarray(batch["loss_mask"])
   noise = np.random.default_rng(3).uniform(-0.3, 0.3, mask.shape) * mask
   rollout = jnp.where(batch["loss_mask"], old + jnp.asarray(noise, jnp.float32), 0.0)
   fields = dict(tokens=batch["tokens"], valid=batch["valid"], loss_mask=batch["loss_mask"],
                 advantages=batch["advantages"], ref_logprobs=batch["ref_logprobs"],
                 returns=batch["returns"],
-                values=run.values(state.critic, batch["tokens"], batch["valid"]),
+                values=run.values(state.critic, _forward(batch)),
                 rollout_logprobs=rollout)
   on_batch = update_lib.build_batch(on.algo, **fields)
   off_batch = update_lib.build_batch(off.algo, old_logprobs=old, **fields)
@@ -568,9 +574,9 @@ def _train_step(config, *, policy_scores_old):
   score_logprobs, _ = update_lib.make_scorers(split.policy_def, None, cfg, mesh)
   scored = []
 
-  def spy(params, tokens, valid, positions):
+  def spy(params, rows):
     scored.append({id(state.policy): "policy", id(state.ref): "reference"}[id(params)])
-    return score_logprobs(params, tokens, valid, positions)
+    return score_logprobs(params, rows)
 
   inputs = batches.StepInputs(
       config=config, update=cfg, tok=tok, pool=_ShortPool(),
@@ -693,8 +699,10 @@ def test_lm_head_at_the_scored_positions_equals_the_head_at_every_position(monke
 
   def loss(params, positions):
     model = nnx.merge(graphdef, params)
-    logp, entropy = update_lib.sequence_logprobs_and_entropy(model, tokens, valid, 0.7,
-                                                             positions)
+    rows = {"tokens": tokens, "valid": valid}
+    if positions is not None:
+      rows["scored_positions"] = positions
+    logp, entropy = update_lib.sequence_logprobs_and_entropy(model, rows, 0.7)
     masked = lambda x: jnp.where(mask, x, 0.0)
     return jnp.sum(masked(logp) * weights + 0.1 * masked(entropy)), (logp, entropy)
 
@@ -715,7 +723,8 @@ def test_lm_head_scores_nothing_at_a_position_outside_the_row():
 
   def loss(params, positions):
     logp, entropy = update_lib.sequence_logprobs_and_entropy(
-        nnx.merge(graphdef, params), tokens, valid, 1.0, positions)
+        nnx.merge(graphdef, params),
+        {"tokens": tokens, "valid": valid, "scored_positions": positions}, 1.0)
     return jnp.sum(logp) + jnp.sum(entropy), (logp, entropy)
 
   (_, (logp, entropy)), grads = jax.value_and_grad(loss, has_aux=True)(params, positions)
@@ -772,7 +781,7 @@ def test_scorers_and_update_at_the_scored_positions_equal_every_position(monkeyp
   positions = update_lib.scored_positions(np.asarray(batch["loss_mask"]))
   positions = sharding.shard_batch({"p": positions}, run.mesh)["p"]
   mask = np.asarray(batch["loss_mask"])
-  scored = run.logprobs(state.policy, batch["tokens"], batch["valid"], positions)
+  scored = run.logprobs(state.policy, _forward(batch, positions))
   np.testing.assert_allclose(scored, np.where(mask, batch["old_logprobs"], 0.0), atol=1e-6)
   want_state, want = jax.device_get(run.step(run.fresh(), batch))
   got_state, got = jax.device_get(run.step(run.fresh(),
@@ -864,8 +873,7 @@ def test_scorers_at_each_micro_batchs_length_give_the_whole_rows_log_probs(monke
                                                       microbatches=ROWS,
                                                       microbatch_lengths=count))
     logprobs, values = update_lib.make_scorers(policy_def, critic_def, cfg, mesh)
-    scored[count] = (logprobs(policy, batch["tokens"], batch["valid"], None),
-                     values(critic_params, batch["tokens"], batch["valid"]))
+    scored[count] = (logprobs(policy, _forward(batch)), values(critic_params, _forward(batch)))
   for whole, cut in zip(scored[1], scored[3]):
     np.testing.assert_allclose(np.where(valid, cut, 0.0), np.where(valid, whole, 0.0),
                                rtol=1e-5, atol=1e-6)

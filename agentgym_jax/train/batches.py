@@ -35,7 +35,7 @@ from agentgym_jax.rl import dynamic_sampling, overlong as overlong_lib
 from agentgym_jax.rl import schedule as schedule_lib
 from agentgym_jax.rollout import RolloutSettings, build_trajectory, envs, run_episodes, window
 from agentgym_jax.rollout.batch import replica_meshes
-from agentgym_jax.train import metrics as metrics_lib, provenance
+from agentgym_jax.train import metrics as metrics_lib, packing, provenance
 from agentgym_jax.train import state as state_lib
 from agentgym_jax.train import update as update_lib
 from agentgym_jax.train.data import TaskStream
@@ -106,9 +106,9 @@ class StepBatch:
 
 def row_multiple(config: ml_collections.ConfigDict, mesh: Mesh) -> int:
   """What the update's row count must be a multiple of: minibatches x microbatches x
-  data-parallel devices (per-turn rows are padded to one)."""
+  data-parallel devices (per-turn rows are padded to one), times the rows of a packed row."""
   return (config.algo.minibatches * config.algo.microbatches
-          * sharding_lib.data_parallel_size(mesh))
+          * sharding_lib.data_parallel_size(mesh) * config.algo.pack_rows)
 
 
 def check_layout(config: ml_collections.ConfigDict, mesh: Mesh,
@@ -120,9 +120,13 @@ def check_layout(config: ml_collections.ConfigDict, mesh: Mesh,
   if rows % row_multiple(config, mesh):
     raise ValueError(
         f"data.batch_tasks x data.group_size = {rows} rows per step must be divisible by "
-        f"algo.minibatches x algo.microbatches x data-parallel devices = "
+        f"algo.minibatches x algo.microbatches x data-parallel devices x algo.pack_rows = "
         f"{config.algo.minibatches} x {config.algo.microbatches} x "
-        f"{sharding_lib.data_parallel_size(mesh)}; change one of them.")
+        f"{sharding_lib.data_parallel_size(mesh)} x {config.algo.pack_rows}; change one of "
+        "them.")
+  if config.algo.pack_rows > 1 and config.rollout.history_turns:
+    raise ValueError("algo.pack_rows packs whole episodes; with a history window "
+                     "(rollout.history_turns) set algo.pack_rows=1.")
   try:
     replica_meshes(mesh if rollout_mesh is None else rollout_mesh, config.rollout.replicas)
   except ValueError as exc:
@@ -157,6 +161,23 @@ def _scored_positions(put: Callable, loss_mask: np.ndarray) -> jax.Array | None:
   return None if positions is None else put(positions)
 
 
+def _packed(inputs: StepInputs, rows: Any) -> dict[str, Any] | None:
+  """The update rows' packed rows (`update.packed_fields`), or None when `algo.pack_rows` is
+  1 (rows as they are)."""
+  k = inputs.update.pack_rows
+  if k == 1:
+    return None
+  return update_lib.packed_fields(
+      packing.pack_rows(rows.tokens, rows.valid, k, inputs.tok.pad_id), inputs.put)
+
+
+def _forward_positions(tokens: Any, packed: dict[str, Any] | None) -> dict[str, float]:
+  """`batch/forward_positions`: the positions each forward of the update computes, R x L of
+  the rows or G x Lp of their packed rows."""
+  shape = (tokens if packed is None else packed["packed"]["tokens"]).shape
+  return {"batch/forward_positions": float(np.prod(shape))}
+
+
 def bc_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor: int,
              max_turns: int, saving: bool) -> StepBatch:
   """The next `rows` demonstrations of the shuffled stream, trained with cross-entropy (no
@@ -168,14 +189,17 @@ def bc_batch(inputs: StepInputs, state: state_lib.TrainState, step: int, cursor:
   host = jax.device_get(build_trajectory(chosen, inputs.tok.pad_id))
   trained, turn_rows = _trained_rows(inputs, host)
   put = inputs.put
+  packed = _packed(inputs, trained)
   batch = update_lib.build_batch(
       inputs.spec, tokens=put(trained.tokens), valid=put(trained.valid),
       loss_mask=put(trained.loss_mask),
       seq_tokens=None if turn_rows is None else put(turn_rows.episode_tokens),
-      scored_positions=_scored_positions(put, trained.loss_mask))
+      scored_positions=_scored_positions(put, trained.loss_mask),
+      packed=packed)
   # The batch is the expert's, not the policy's: its statistics are logged apart.
   logged = {k.replace("episodes/", "demos/"): v
             for k, v in metrics_lib.episode_metrics(host, chosen).items()}
+  logged.update(_forward_positions(batch["tokens"], packed))
   logged.update({"rollout/tokens_per_s": 0.0, "rollout/env_seconds": 0.0,
                  "time/rollout": time.perf_counter() - start, "time/score": 0.0,
                  "time/advantages": 0.0})
@@ -303,7 +327,7 @@ def scored_batch(inputs: StepInputs, state: state_lib.TrainState, sampled: Sampl
   batch = update_batch(inputs, rows, scores, estimated)
   logged, per_token = diagnostics(inputs, rows, estimated, sampled.episodes,
                                   saving=saving)
-  logged = {**sampled.metrics, **logged,
+  logged = {**sampled.metrics, **logged, **_forward_positions(rows.tokens, rows.packed),
             "time/score": scored - rolled, "time/advantages": advantaged - scored}
   return StepBatch(batch=batch, host=rows.episodes, episodes=sampled.episodes,
                    cursor=sampled.cursor, trained_tokens=int(np.sum(rows.host.valid)),
@@ -318,7 +342,8 @@ class UpdateRows:
   host: the update's rows as host arrays: `episodes` itself, or with a history window one row
     per turn (`window.TurnRows`, then also `turns`).
   tokens, valid, loss_mask: [R, L'] the update's rows on the mesh; positions: their agent
-    tokens, where log-probs are computed (`update.scored_positions`; None: every position).
+    tokens, where log-probs are computed (`update.scored_positions`; None: every position);
+    packed: their packed rows (`update.packed_fields`; None without `algo.pack_rows`).
   to_episodes / to_rows: move a per-token array between the two layouts (identities
     without a window).
   """
@@ -330,8 +355,16 @@ class UpdateRows:
   valid: jax.Array
   loss_mask: jax.Array
   positions: jax.Array | None
+  packed: dict[str, Any] | None
   to_episodes: Callable
   to_rows: Callable
+
+  def forward_inputs(self) -> dict[str, Any]:
+    """What the scorers read of the rows (`update.make_scorers`)."""
+    rows = {"tokens": self.tokens, "valid": self.valid}
+    if self.positions is not None:
+      rows["scored_positions"] = self.positions
+    return rows | (self.packed or {})
 
 
 def update_rows(inputs: StepInputs, traj: Any) -> UpdateRows:
@@ -345,7 +378,7 @@ def update_rows(inputs: StepInputs, traj: Any) -> UpdateRows:
   return UpdateRows(episodes=episodes, host=host, turns=turns, tokens=put(host.tokens),
                     valid=put(host.valid), loss_mask=put(host.loss_mask),
                     positions=_scored_positions(put, host.loss_mask),
-                    to_episodes=to_episodes, to_rows=to_rows)
+                    packed=_packed(inputs, host), to_episodes=to_episodes, to_rows=to_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -362,14 +395,13 @@ class Scores:
 def score(inputs: StepInputs, state: state_lib.TrainState, rows: UpdateRows) -> Scores:
   """The scoring passes over the update's rows; returns once they are computed."""
   score_logprobs, score_values = inputs.scorers
-  tokens, valid, positions = rows.tokens, rows.valid, rows.positions
-  zeros = jnp.zeros(tokens.shape, jnp.float32, device=tokens.sharding)
+  forward = rows.forward_inputs()
+  zeros = jnp.zeros(rows.tokens.shape, jnp.float32, device=rows.tokens.sharding)
   old_logprobs = (zeros if inputs.spec.old_logprobs_from_update
-                  else score_logprobs(state.policy, tokens, valid, positions))
+                  else score_logprobs(state.policy, forward))
   reference = state_lib.reference_params(state)  # with LoRA: the policy, its adapters off
-  ref_logprobs = (score_logprobs(reference, tokens, valid, positions) if reference is not None
-                  else zeros)
-  values = score_values(state.critic, tokens, valid) if score_values is not None else zeros
+  ref_logprobs = (score_logprobs(reference, forward) if reference is not None else zeros)
+  values = score_values(state.critic, forward) if score_values is not None else zeros
   jax.block_until_ready((old_logprobs, ref_logprobs, values))
   return Scores(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, values=values)
 
@@ -425,7 +457,7 @@ def update_batch(inputs: StepInputs, rows: UpdateRows, scores: Scores, adv: Adva
       seq_tokens=None if rows.turns is None else put(rows.turns.episode_tokens),
       rollout_logprobs=(put(rows.host.sample_logprobs) if spec.trains_with_rollout_logprobs
                         else None),
-      scored_positions=rows.positions)
+      scored_positions=rows.positions, packed=rows.packed)
 
 
 def diagnostics(inputs: StepInputs, rows: UpdateRows, adv: Advantages,

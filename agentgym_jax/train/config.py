@@ -311,6 +311,11 @@ def base_config() -> ml_collections.ConfigDict:
   # (train/update.py, micro-batch lengths). Each length is another branch of the update's and
   # the scorer's programs to compile; 1 runs every micro-batch at the batch's length.
   c.algo.microbatch_lengths = 1
+  # Rows packed into one row for the update's and the scorers' forwards: each block of k
+  # consecutive rows (a group when k = data.group_size) as its common opening once, then each
+  # row's own tokens (train/packing.py). The losses are those of the rows; what it saves is
+  # the repeated opening and the padding. 1: rows as they are.
+  c.algo.pack_rows = 1
   # Value-loss weight, relative to the policy loss (the critic has its own optimizer, so this
   # only scales the critic's gradient).
   c.algo.value_coef = 1.0
@@ -407,6 +412,10 @@ def base_config() -> ml_collections.ConfigDict:
   # Samples per task (Avg@n / Pass@n) and their sampling temperature (0 = greedy).
   c.eval.group_size = 1
   c.eval.temperature = 0.0
+  # Episodes run at a time (0 = one training step's rows). A decoded token reads every weight
+  # once whatever the rows, so more rows at a time cost little more per step on a CPU; the KV
+  # cache grows with them.
+  c.eval.rows = 0
   # Turn limit of the held-out episodes; 0 = the schedule's longest horizon (a horizon study
   # evaluates every schedule at one limit).
   c.eval.max_turns = 0

@@ -44,6 +44,12 @@ below it, `micro_length_choices`) that holds its tokens, a `lax.switch` between 
 the forward and backward in one program: a causal model's first n positions do not depend on
 the rest, so the losses and log-probs are those of the whole row. The cost is k branches to
 compile.
+
+Packed rows: with `pack_rows` = k > 1 the model runs on packed rows (`train.packing`), each
+block of k consecutive rows (a group) as one row holding their common opening once, and its
+hidden states are gathered back to the batch's rows (`row_hidden`): every loss, metric and
+returned array is on the [R, L] rows as without packing. A micro-batch then holds whole
+blocks (`split_micro`'s `rows_per_item`).
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from agentgym_jax import settings as settings_lib
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import logprobs as logprobs_lib
 from agentgym_jax.rl import losses
+from agentgym_jax.models.attention import Segments
 from agentgym_jax.rl.algorithm import AlgorithmSpec
 from agentgym_jax.rollout.trajectory import bucket_length
 from agentgym_jax.train.state import UPDATE_STREAM, Optimizers, Params, TrainState, step_key
@@ -79,7 +86,10 @@ class Batch(TypedDict, total=False):
   sampler's log-probs, `Trajectory.sample_logprobs`) with truncated importance sampling
   (`spec.tis_cap` > 0) and when the update measures the sampler/trainer gap (its old log-probs
   are its own); scored_positions [R, P] int32, the positions the LM head scores
-  (`scored_positions`), unless it scores every position.
+  (`scored_positions`), unless it scores every position. With packed rows (`pack_rows` > 1):
+  packed_index [R, L], where each row's tokens sit in its block's packed row, and packed, the
+  packed rows [G, ...] (`packing.PackedRows` but index: tokens, valid, positions, starts
+  [G, Lp] and shared [G]).
   """
 
   tokens: jax.Array
@@ -93,6 +103,8 @@ class Batch(TypedDict, total=False):
   seq_tokens: jax.Array
   rollout_logprobs: jax.Array
   scored_positions: jax.Array
+  packed_index: jax.Array
+  packed: dict[str, jax.Array]
 
 
 # The fewest positions a row's LM head scores (`bucket_length`'s minimum, a power of two): the
@@ -131,11 +143,12 @@ def build_batch(spec: AlgorithmSpec, *, tokens: jax.Array, valid: jax.Array,
                 returns: jax.Array | None = None, values: jax.Array | None = None,
                 seq_tokens: jax.Array | None = None,
                 rollout_logprobs: jax.Array | None = None,
-                scored_positions: jax.Array | None = None) -> Batch:
+                scored_positions: jax.Array | None = None,
+                packed: dict[str, Any] | None = None) -> Batch:
   """The batch of the update step, holding exactly the fields `spec` trains with (and
   `seq_tokens` when the rows are per-turn rows, `scored_positions` when the head scores only
-  those: `scored_positions(loss_mask)`); all [R, L] but seq_tokens [R] and scored_positions
-  [R, P].
+  those: `scored_positions(loss_mask)`, `packed`'s fields with packed rows:
+  `packed_fields`); all [R, L] but seq_tokens [R] and scored_positions [R, P].
 
   Behaviour cloning (cross-entropy) reads tokens, valid and loss_mask only: old_logprobs and
   advantages are then zeros when not given. With `spec.old_logprobs_from_update` the batch
@@ -165,7 +178,16 @@ def build_batch(spec: AlgorithmSpec, *, tokens: jax.Array, valid: jax.Array,
     batch["seq_tokens"] = seq_tokens
   if scored_positions is not None:
     batch["scored_positions"] = scored_positions
+  batch.update(packed or {})
   return batch
+
+
+def packed_fields(packed: Any, put: Callable[[np.ndarray], jax.Array]) -> dict[str, Any]:
+  """A host `packing.PackedRows` as the batch's packed_index and packed fields, each array
+  through `put` (host -> global array, leading axis over the data axes)."""
+  return {"packed_index": put(packed.index),
+          "packed": {name: put(getattr(packed, name))
+                     for name in ("tokens", "valid", "positions", "starts", "shared")}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,8 +201,13 @@ class UpdateConfig:
   temperature: float
   compute_dtype: str = "float32"  # the forward's: "bfloat16" is mixed precision (`as_compute`)
   micro_lengths: int = 1  # row lengths a micro-batch may run at (`micro_length_choices`)
+  pack_rows: int = 1  # rows packed into one, their common opening once (`train.packing`)
 
   def __post_init__(self):
+    if self.pack_rows > 1 and self.micro_lengths > 1:
+      raise ValueError("UpdateConfig: packed rows are as long as their tokens already; set "
+                       f"algo.microbatch_lengths=1 (got {self.micro_lengths}) or "
+                       "algo.pack_rows=1.")
     if self.algo.old_logprobs_from_update and self.updates_per_step != 1:
       raise ValueError("UpdateConfig: old log-probs from the update's own forward need one "
                        f"optimizer update per batch, got epochs={self.epochs} x "
@@ -192,14 +219,15 @@ class UpdateConfig:
     if config.rollout.temperature <= 0:
       raise ValueError("rollout.temperature must be > 0 for training: the policy's log-probs "
                        f"are those of the sampling distribution, got {config.rollout.temperature}.")
-    for name in ("epochs", "minibatches", "microbatches", "microbatch_lengths"):
+    for name in ("epochs", "minibatches", "microbatches", "microbatch_lengths", "pack_rows"):
       if config.algo[name] < 1:
         raise ValueError(f"algo.{name} must be >= 1, got {config.algo[name]}.")
     return cls(algo=settings_lib.algorithm(config), epochs=config.algo.epochs,
                minibatches=config.algo.minibatches, microbatches=config.algo.microbatches,
                temperature=config.rollout.temperature,
                compute_dtype=config.model.compute_dtype,
-               micro_lengths=config.algo.microbatch_lengths)
+               micro_lengths=config.algo.microbatch_lengths,
+               pack_rows=config.algo.pack_rows)
 
   @property
   def updates_per_step(self) -> int:
@@ -220,34 +248,73 @@ def as_compute(params: Params, dtype: str) -> Params:
   return jax.tree.map(cast, params)
 
 
-def sequence_logprobs_and_entropy(model: Any, tokens: jax.Array, valid: jax.Array,
-                                  temperature: float = 1.0,
-                                  positions: jax.Array | None = None
-                                  ) -> tuple[jax.Array, jax.Array]:
-  """Log-probs and entropies of tokens [B, L] (valid [B, L]) under the decoder `model`: two
-  [B, L] float32, aligned as `rl.logprobs.token_logprobs_and_entropy`; with `positions`
-  ([B, P], `scored_positions`) at those positions only, 0 elsewhere.
+def unpack(x: jax.Array, index: jax.Array) -> jax.Array:
+  """Per-token results of packed rows back on the rows: x [G, Lp, ...], index [G * k, L]
+  (`packing.PackedRows.index`, row r in packed row r // k) -> [G * k, L, ...]."""
+  g, length = x.shape[0], index.shape[1]
+  index = index.reshape(g, -1)
+  out = jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+  return out.reshape((-1, length) + x.shape[2:])
+
+
+def row_hidden(backbone: Callable, rows: dict[str, jax.Array]) -> jax.Array:
+  """backbone(tokens, valid[, segments]) -> [.., D] (a `Backbone`, or a `ValueModel` ->
+  [..]) of `rows`' tokens [m, L]: on the rows themselves, or on their packed rows
+  (rows["packed"], `packed_fields`) gathered back to them; [m, L, ...] either way."""
+  packed = rows.get("packed")
+  if packed is None:
+    return backbone(rows["tokens"], rows["valid"])
+  segments = Segments(positions=packed["positions"], starts=packed["starts"],
+                      shared=packed["shared"])
+  return unpack(backbone(packed["tokens"], packed["valid"], segments), rows["packed_index"])
+
+
+def sequence_logprobs_and_entropy(model: Any, rows: dict[str, jax.Array],
+                                  temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """Log-probs and entropies of rows["tokens"] [B, L] (with rows["valid"] [B, L]) under the
+  decoder `model`: two [B, L] float32, aligned as `rl.logprobs.token_logprobs_and_entropy`;
+  with rows["scored_positions"] ([B, P], `scored_positions`) at those positions only, 0
+  elsewhere; with packed rows (`row_hidden`) computed on them.
 
   The LM head runs through `rl.logprobs.head_logprobs_and_entropy`, so a long row's logits
   are made a block of positions at a time.
   """
-  return logprobs_lib.head_logprobs_and_entropy(model.backbone(tokens, valid), tokens,
-                                                model.logits_from_hidden, temperature,
-                                                positions)
+  return logprobs_lib.head_logprobs_and_entropy(
+      row_hidden(model.backbone, rows), rows["tokens"], model.logits_from_hidden, temperature,
+      rows.get("scored_positions"))
 
 
-def split_micro(tree: Any, num: int) -> Any:
-  """Rows [R, ...] -> [num, R // num, ...], micro-batch k holding rows k, k + num, ..."""
+def split_micro(tree: Any, num: int, rows_per_item: int = 1) -> Any:
+  """Items of `rows_per_item` consecutive rows [R, ...] -> [num, R // num, ...], micro-batch k
+  holding items k, k + num, ... (rows k, k + num, ... for single rows). Packed rows
+  (tree["packed"], one item each) go with the rows of their blocks (`rows_per_item` = k)."""
+  def one(x, per_item):
+    items = x.shape[0] // per_item
+    if x.shape[0] % per_item or items % num:
+      raise ValueError(f"{x.shape[0]} rows in items of {per_item} do not split into {num} "
+                       "micro-batches.")
+    x = x.reshape(items // num, num, per_item, *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape(num, (items // num) * per_item, *x.shape[3:])
+  if isinstance(tree, dict) and "packed" in tree:
+    rest = {k: v for k, v in tree.items() if k != "packed"}
+    return {**jax.tree.map(lambda x: one(x, rows_per_item), rest),
+            "packed": jax.tree.map(lambda x: one(x, 1), tree["packed"])}
+  return jax.tree.map(lambda x: one(x, rows_per_item), tree)
+
+
+def rows_per_item(rows: dict[str, Any]) -> int:
+  """How many of `rows`' rows each packed row holds (1 without packed rows)."""
+  packed = rows.get("packed")
+  return 1 if packed is None else rows["tokens"].shape[0] // packed["tokens"].shape[0]
+
+
+def merge_micro(tree: Any, rows_per_item: int = 1) -> Any:
+  """Inverse of `split_micro` for rows: [num, m, ...] -> [m * num, ...] in the original order."""
   def one(x):
-    if x.shape[0] % num:
-      raise ValueError(f"{x.shape[0]} rows do not split into {num} micro-batches.")
-    return jnp.swapaxes(x.reshape(x.shape[0] // num, num, *x.shape[1:]), 0, 1)
+    num, m = x.shape[:2]
+    x = x.reshape(num, m // rows_per_item, rows_per_item, *x.shape[2:])
+    return jnp.swapaxes(x, 0, 1).reshape(num * m, *x.shape[3:])
   return jax.tree.map(one, tree)
-
-
-def merge_micro(tree: Any) -> Any:
-  """Inverse of `split_micro`: [num, m, ...] -> [m * num, ...] in the original row order."""
-  return jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:]), tree)
 
 
 # The shortest length a micro-batch is cut to (`bucket_length`'s default minimum).
@@ -335,8 +402,7 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
   """
   model = nnx.merge(graphdef, as_compute(params, cfg.compute_dtype))
   mask = micro["loss_mask"]
-  logp, entropy = sequence_logprobs_and_entropy(model, micro["tokens"], micro["valid"],
-                                                cfg.temperature, micro.get("scored_positions"))
+  logp, entropy = sequence_logprobs_and_entropy(model, micro, cfg.temperature)
   # One optimizer step per batch: these parameters are the ones the old log-probs would be
   # scored with, so this forward's log-probs, held constant, are them (ratio exactly 1).
   old = (jax.lax.stop_gradient(logp) if cfg.algo.old_logprobs_from_update
@@ -366,10 +432,11 @@ def policy_loss(params: Params, micro: Batch, denominator: jax.Array, *,
                           seq_tokens), aux
 
 
-def critic_values(params: Params, graphdef: nnx.GraphDef, tokens: jax.Array, valid: jax.Array,
+def critic_values(params: Params, graphdef: nnx.GraphDef, rows: dict[str, jax.Array],
                   compute_dtype: str = "float32") -> jax.Array:
-  """V(tokens[<t]) aligned with token t: [B, L] -> [B, L] float32 (0 at position 0)."""
-  values = nnx.merge(graphdef, as_compute(params, compute_dtype))(tokens, valid)
+  """V(tokens[<t]) aligned with token t of rows["tokens"] [B, L] (valid, and packed rows as
+  `row_hidden` reads them) -> [B, L] float32 (0 at position 0)."""
+  values = row_hidden(nnx.merge(graphdef, as_compute(params, compute_dtype)), rows)
   return logprobs_lib.shift_right(values[:, :-1])
 
 
@@ -377,7 +444,7 @@ def critic_loss(params: Params, micro: Batch, denominator: jax.Array, *,
                 graphdef: nnx.GraphDef, cfg: UpdateConfig) -> tuple[jax.Array, dict]:
   """Clipped value loss of one micro-batch (needs returns, old_values [m, L]); see policy_loss."""
   mask = micro["loss_mask"]
-  values = critic_values(params, graphdef, micro["tokens"], micro["valid"], cfg.compute_dtype)
+  values = critic_values(params, graphdef, micro, cfg.compute_dtype)
   token_loss, metrics = losses.value_loss(values, micro["old_values"], micro["returns"], mask,
                                           cliprange_value=cfg.algo.value_clip)
   loss = losses.aggregate(token_loss, mask, cfg.algo.loss_agg_mode, denominator,
@@ -412,7 +479,8 @@ def accumulate_gradients(loss_fn: Callable, params: Params, minibatch: Batch,
     [M, ...] in the minibatch's row order.
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  micros = _constrain_rows(split_micro(minibatch, num_micro), mesh, row_axis=1)
+  per_item = rows_per_item(minibatch)
+  micros = _constrain_rows(split_micro(minibatch, num_micro, per_item), mesh, row_axis=1)
   # (scalar sums, per-row arrays) of an aux dict
   split_aux = lambda aux: ({k: v for k, v in aux.items() if not v.ndim},
                            {k: v for k, v in aux.items() if v.ndim})
@@ -434,7 +502,19 @@ def accumulate_gradients(loss_fn: Callable, params: Params, minibatch: Batch,
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                        (loss0, params, split_aux(aux0)[0]))
   (loss, grads, sums), rows = jax.lax.scan(body, zeros, micros)
-  return loss, grads, {**sums, **merge_micro(rows)}
+  return loss, grads, {**sums, **merge_micro(rows, per_item)}
+
+
+def take_items(batch: Batch, items: jax.Array) -> Batch:
+  """The rows of `batch` in items `items` [n] (rows_per_item rows each, in order), with their
+  packed rows when the batch has them."""
+  per_item = rows_per_item(batch)
+  rows = (items[:, None] * per_item + jnp.arange(per_item)).reshape(-1)
+  take = lambda index: lambda x: jnp.take(x, index, axis=0)
+  if "packed" not in batch:
+    return jax.tree.map(take(rows), batch)
+  rest = {k: v for k, v in batch.items() if k != "packed"}
+  return {**jax.tree.map(take(rows), rest), "packed": jax.tree.map(take(items), batch["packed"])}
 
 
 def step_unless(tx: optax.GradientTransformation, finite: jax.Array, grads: Params,
@@ -524,10 +604,9 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
                if cfg.algo.use_critic else None)
 
   def minibatch_update(batch: Batch, carry, xs):
-    index, rows = xs
+    index, items = xs
     policy, opt_state, critic, critic_opt_state = carry
-    minibatch = _constrain_rows(jax.tree.map(lambda x: jnp.take(x, rows, axis=0), batch),
-                                mesh, row_axis=0)
+    minibatch = _constrain_rows(take_items(batch, items), mesh, row_axis=0)
     denominator = losses.aggregation_denominator(minibatch["loss_mask"], cfg.algo.loss_agg_mode,
                                                  seq_tokens=minibatch.get("seq_tokens"))
     loss, grads, aux = accumulate_gradients(policy_fn, policy, minibatch, denominator,
@@ -555,11 +634,12 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
     return (policy, opt_state, critic, critic_opt_state), metrics
 
   def update(state: TrainState, batch: Batch) -> tuple[TrainState, dict]:
-    num_rows = batch["tokens"].shape[0]
+    # Rows are shuffled whole items at a time (a packed row's block stays together).
+    num_items = batch["tokens"].shape[0] // rows_per_item(batch)
     key = step_key(state.rng, state.step, UPDATE_STREAM)
-    orders = jnp.stack([jax.random.permutation(jax.random.fold_in(key, epoch), num_rows)
+    orders = jnp.stack([jax.random.permutation(jax.random.fold_in(key, epoch), num_items)
                         for epoch in range(cfg.epochs)])
-    orders = orders.reshape(cfg.updates_per_step, num_rows // cfg.minibatches)
+    orders = orders.reshape(cfg.updates_per_step, num_items // cfg.minibatches)
     # Optimizer updates made before this step: the learning-rate schedule's position.
     first = state.step * cfg.updates_per_step
     indices = first + jnp.arange(cfg.updates_per_step)
@@ -586,41 +666,36 @@ def make_scorers(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None, cfg:
   update's minibatches x microbatches, each at its own length (`cfg.micro_lengths`), in the
   update's compute dtype (so old log-probs are the update's at its first step).
 
+  Both take (params, rows): rows a dict of the batch's tokens and valid [R, L], and
+  scored_positions [R, P] when the head scores only those (`scored_positions`), the packed
+  rows when the update has them (`packed_fields`); arrays split over the data axes.
+
   Returns:
-    logprobs(params, tokens, valid, scored_positions) -> [R, L] float32, for reference and
-      (unless the update's forward gives them, `AlgorithmSpec.old_logprobs_from_update`) old
-      log-probs, at the batch's `scored_positions` [R, P] only (0 elsewhere), or at every
-      position where that is None;
-    values(params, tokens, valid) -> [R, L] float32 (None without a critic).
-    Both take rows split over the data axes and return them the same way.
+    logprobs(params, rows) -> [R, L] float32, for reference and (unless the update's forward
+      gives them, `AlgorithmSpec.old_logprobs_from_update`) old log-probs, at the rows'
+      scored positions only (0 elsewhere), or at every position without them;
+    values(params, rows) -> [R, L] float32 (None without a critic).
   """
   rows_spec = NamedSharding(mesh, P(sharding_lib.BATCH_AXES))
   chunks = cfg.minibatches * cfg.microbatches
 
-  def scan_rows(fn, params, tokens, valid, positions=None):
-    rows = {"tokens": tokens, "valid": valid}
-    if positions is not None:
-      rows["scored_positions"] = positions
-    micros = _constrain_rows(split_micro(rows, chunks), mesh, row_axis=1)
+  def scan_rows(fn, params, rows):
+    per_item = rows_per_item(rows)
+    micros = _constrain_rows(split_micro(rows, chunks, per_item), mesh, row_axis=1)
     run = at_used_length(lambda micro: (fn(params, micro), None),
-                         micro_length_choices(tokens.shape[1], cfg.micro_lengths))
+                         micro_length_choices(rows["tokens"].shape[1], cfg.micro_lengths))
     _, out = jax.lax.scan(lambda c, micro: (c, run(micro)[0]), None, micros)
-    return merge_micro(out)
+    return merge_micro(out, per_item)
 
   def logprob_fn(params, micro):
     model = nnx.merge(policy_def, as_compute(params, cfg.compute_dtype))
-    return sequence_logprobs_and_entropy(model, micro["tokens"], micro["valid"],
-                                         cfg.temperature, micro.get("scored_positions"))[0]
+    return sequence_logprobs_and_entropy(model, micro, cfg.temperature)[0]
 
-  logprobs = jax.jit(sharding_lib.traced_under(mesh, functools.partial(scan_rows, logprob_fn)),
-                     in_shardings=(None, rows_spec, rows_spec, rows_spec),
-                     out_shardings=rows_spec)
+  def scorer(fn):
+    return jax.jit(sharding_lib.traced_under(mesh, functools.partial(scan_rows, fn)),
+                   in_shardings=(None, rows_spec), out_shardings=rows_spec)
+
   if critic_def is None:
-    return logprobs, None
-
-  def value_fn(params, micro):
-    return critic_values(params, critic_def, micro["tokens"], micro["valid"], cfg.compute_dtype)
-
-  values = jax.jit(sharding_lib.traced_under(mesh, functools.partial(scan_rows, value_fn)),
-                   in_shardings=(None, rows_spec, rows_spec), out_shardings=rows_spec)
-  return logprobs, values
+    return scorer(logprob_fn), None
+  return scorer(logprob_fn), scorer(
+      lambda params, micro: critic_values(params, critic_def, micro, cfg.compute_dtype))

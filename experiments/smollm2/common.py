@@ -71,6 +71,9 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
   # where an episode uses it.
   c.rollout.max_context = s.max_context
   c.eval.num_tasks = s.eval_tasks
+  # Held-out episodes 24 at a time (a step's 4 or 8 rows by default): a decoded token reads all
+  # of the model's weights whatever the rows, so 48 tasks cost 2 rounds of decoding, not 6-12.
+  c.eval.rows = 24
   c.checkpoint.keep = 1
   c.checkpoint.export_hf = False
   c.log.progress_bar = False
@@ -84,7 +87,6 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     c.bc.num_tasks = s.bc_tasks
     c.bc.balance_categories = bool(s.categories)
     c.data.batch_tasks, c.data.group_size = 4, 1
-    c.algo.microbatches = 4
     c.total_steps = s.bc_tasks // c.data.batch_tasks
     c.optim.lr = 5e-5
     c.optim.warmup_steps = 1
@@ -123,7 +125,6 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     # 2 tasks x 4 samples per step: one row's update costs ~10 s on 2 cores, so 8 rows (plus
     # the reference's and the old policy's forwards) is ~3-4 minutes a step.
     c.data.batch_tasks, c.data.group_size = 2, 4
-    c.algo.microbatches = c.data.batch_tasks * c.data.group_size
     # Sampling at temperature 0.7: at 1.0 (runs 1-3 in README.md) the updates cost greedy
     # success within 4-8 steps; at 0.5 (run 4) the samples are the greedy policy's and
     # most groups carry no signal; at 0.7 (run 5) greedy success rose.
@@ -147,10 +148,21 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     c.bc.num_tasks = 2
     c.data.group_size = min(c.data.group_size, 2)
     c.data.batch_tasks = 2 // c.data.group_size
-    c.algo.microbatches = c.data.batch_tasks * c.data.group_size
     c.schedule.horizons = (2,)
     c.eval.num_tasks = 2
     c.eval.at_start = False
     c.eval.every_steps = c.total_steps
     c.checkpoint.every_steps = 1
+  pack(c)
   return base.lock(c)
+
+
+def pack(c: ml_collections.ConfigDict) -> None:
+  """One packed row per micro-batch (train/packing.py): RL's groups of samples of a task, and
+  BC's demonstrations of a step, share their opening (the system prompt, and a group its whole
+  first observation), which the update and the scorers then compute once, with no padding
+  between rows. One row of the update costs ~10 s on 2 cores, so this is most of a step.
+  Call it again after changing the batch's shape."""
+  rows = c.data.batch_tasks * c.data.group_size
+  c.algo.pack_rows = c.data.group_size if c.mode == "rl" else rows
+  c.algo.microbatches = rows // c.algo.pack_rows

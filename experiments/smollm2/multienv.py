@@ -70,7 +70,7 @@ def get_config(arg=None):
   if args.runlocal:
     # One task of each environment per step.
     c.data.batch_tasks = len(MIX)
-    c.algo.microbatches = c.data.batch_tasks * c.data.group_size
+    common.pack(c)
     c.total_steps = 1
     c.eval.every_steps = c.checkpoint.every_steps = c.total_steps
   return base.lock(c)
