@@ -239,10 +239,10 @@ class Run:
       return None
     shape = (self.rows // k, bucket_length(k * self.length))
     array = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows)
+    fields = {"tokens": jnp.int32, "valid": jnp.bool_, "positions": jnp.int32,
+              "starts": jnp.int32, "shared_start": jnp.int32, "shared_end": jnp.int32}
     return {"packed_index": array((self.rows, self.length), jnp.int32),
-            "packed": {"tokens": array(shape, jnp.int32), "valid": array(shape, jnp.bool_),
-                       "positions": array(shape, jnp.int32), "starts": array(shape, jnp.int32),
-                       "shared": array(shape[:1], jnp.int32)}}
+            "packed": {name: array(shape, dtype) for name, dtype in fields.items()}}
 
 
 # ----- FLOPs by formula ---------------------------------------------------------------------

@@ -62,9 +62,11 @@ def _packed_row(opening: int, continuations: list[int]):
   for c in continuations:
     starts[at:at + c], positions[at:at + c] = at, opening + np.arange(c)
     at += c
+  shared_end = np.where(np.arange(t) >= opening, opening, 0).astype(np.int32)
   segments = attn.Segments(positions=jnp.asarray(positions)[None],
                            starts=jnp.asarray(starts)[None],
-                           shared=jnp.asarray([opening], jnp.int32))
+                           shared_start=jnp.zeros((1, t), jnp.int32),
+                           shared_end=jnp.asarray(shared_end)[None])
   return jnp.arange(t)[None] < n, segments
 
 

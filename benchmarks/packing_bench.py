@@ -11,8 +11,9 @@ warm-up, and the fastest run is kept.
       [--opening 490] [--config experiments/smollm2/babyai.py:stage=rl,init=none]
 
 Layouts: `rows`, one row per episode in 8 micro-batches (algo.pack_rows=1, the recipe before
-packing); `packed`, a group per packed row in 2 micro-batches (algo.pack_rows=4). The last
-line is `ratio: <rows' update seconds / packed's>`.
+packing); `group`, a group per packed row in 2 micro-batches (algo.pack_rows=4); `batch`, the
+whole batch in one packed row, each group with its opening (algo.pack_rows=8). The last line
+is `ratio: <rows' update seconds / batch's>`.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def run_layout(spec: str, pack: int, host: dict[str, np.ndarray], repeats: int
                                      optimizers=run.optimizers, seed=0, shardings=split.shardings)
   put = lambda x: sharding.shard_batch(np.asarray(x), run.mesh)
   packed = (None if pack == 1 else update_lib.packed_fields(
-      packing.pack_rows(host["tokens"], host["valid"], pack, pad_id=0), put))
+      packing.pack_rows(host["tokens"], host["valid"], pack, GROUP_SIZE, pad_id=0), put))
   mask = host["loss_mask"]
   zeros = np.zeros(mask.shape, np.float32)
   positions = update_lib.scored_positions(mask)
@@ -150,12 +151,12 @@ def main():
   print(f"config: {args.config}; {GROUPS} groups x {GROUP_SIZE} rows, opening {args.opening}, "
         f"continuations {continuations}, rows of {host['tokens'].shape[1]}", flush=True)
   found = {}
-  for name, pack in (("rows", 1), ("packed", GROUP_SIZE)):
+  for name, pack in (("rows", 1), ("group", GROUP_SIZE), ("batch", GROUPS * GROUP_SIZE)):
     found[name] = run_layout(args.config, pack, host, args.repeats)
     print(f"{name:7s} " + "  ".join(f"{k} {v:.2f}" for k, v in found[name].items()),
           flush=True)
   loadavg.report("end")
-  print(f"ratio: {found['rows']['update s'] / found['packed']['update s']:.2f}")
+  print(f"ratio: {found['rows']['update s'] / found['batch']['update s']:.2f}")
 
 
 if __name__ == "__main__":

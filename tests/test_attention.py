@@ -299,37 +299,48 @@ def test_pallas_attention_compiles_for_tpu():
 # ----- packed rows (Segments) ------------------------------------------------------------------
 
 def _packed(rows):
-  """valid [B, T] and `Segments` of rows given as (shared, [segment lengths], padding).
+  """valid [B, T] and `Segments` of rows given as ([(opening, [segment lengths]), ...],
+  padding): each opening, then the segments continuing it.
 
-  Padded tokens get starts 0, as a careless caller might leave them: the kernels must cope."""
-  t = max(shared + sum(lengths) + pad for shared, lengths, pad in rows)
-  valid, starts, positions = (np.zeros((len(rows), t), int) for _ in range(3))
-  for b, (shared, lengths, _) in enumerate(rows):
-    valid[b, :shared + sum(lengths)] = 1
-    positions[b, :shared] = np.arange(shared)
-    at = shared
-    for n in lengths:
-      starts[b, at:at + n] = at
-      positions[b, at:at + n] = shared + np.arange(n)
-      at += n
-  segments = attn.Segments(positions=jnp.asarray(positions, jnp.int32),
-                           starts=jnp.asarray(starts, jnp.int32),
-                           shared=jnp.asarray([r[0] for r in rows], jnp.int32))
+  Padded tokens get starts and openings 0, as a careless caller might leave them: the kernels
+  must cope."""
+  t = max(sum(n + sum(lengths) for n, lengths in groups) + pad for groups, pad in rows)
+  valid, starts, positions, shared_start, shared_end = (
+      np.zeros((len(rows), t), int) for _ in range(5))
+  for b, (groups, _) in enumerate(rows):
+    at = 0
+    for opening, lengths in groups:
+      first = at  # the opening: a segment of its own, continuing nothing
+      valid[b, at:at + opening] = 1
+      starts[b, at:at + opening] = shared_start[b, at:at + opening] = at
+      shared_end[b, at:at + opening] = at
+      positions[b, at:at + opening] = np.arange(opening)
+      at += opening
+      for n in lengths:
+        valid[b, at:at + n] = 1
+        starts[b, at:at + n] = at
+        shared_start[b, at:at + n], shared_end[b, at:at + n] = first, first + opening
+        positions[b, at:at + n] = opening + np.arange(n)
+        at += n
+  as_int = lambda x: jnp.asarray(x, jnp.int32)
+  segments = attn.Segments(positions=as_int(positions), starts=as_int(starts),
+                           shared_start=as_int(shared_start), shared_end=as_int(shared_end))
   return jnp.asarray(valid, bool), segments
 
 
-# One row with a shared opening of 7 and three continuations, one plain-packed (shared = 0),
-# both padded at the end.
-_ROWS = [(7, [9, 11, 6], 4), (0, [12, 10, 9], 6)]
+# A row with an opening of 7 and three continuations; one plain-packed (an empty opening);
+# one with two openings (a batch's two groups), each continued twice or three times; all
+# padded at the end.
+_ROWS = [([(7, [9, 11, 6])], 4), ([(0, [12, 10, 9])], 6), ([(5, [4, 6]), (6, [5, 3, 4])], 2)]
 
 
 def _segment_mask(valid, segments):
   """[B, T, T] bool: `Segments`'s rule, written out."""
   t = valid.shape[1]
   s, q = np.arange(t)[None, None, :], np.arange(t)[None, :, None]
-  starts, shared = np.asarray(segments.starts)[:, :, None], np.asarray(segments.shared)
-  return (np.asarray(valid)[:, None, :] & (s <= q)
-          & ((s < shared[:, None, None]) | (s >= starts)))
+  starts, lo, hi = (np.asarray(x)[:, :, None] for x in (segments.starts, segments.shared_start,
+                                                        segments.shared_end))
+  return np.asarray(valid)[:, None, :] & (s <= q) & ((s >= starts) | ((s >= lo) & (s < hi)))
 
 
 @pytest.mark.parametrize("block_q, block_k", [(None, None), (8, 8), (5, 7), (16, 4), (3, 11)])
@@ -339,12 +350,13 @@ def test_blockwise_segments_match_xla(block_q, block_k):
   form's full mask within 1e-5, outputs and gradients; the XLA form equals `attention` with
   the rule written out."""
   valid, segments = _packed(_ROWS)
-  q, k, v = _qkv(2, valid.shape[1], 2, 3, 16, seed=3)
-  starts = jnp.where(valid, segments.starts, jnp.arange(valid.shape[1]))
+  q, k, v = _qkv(len(_ROWS), valid.shape[1], 2, 3, 16, seed=3)
+  past = lambda x: jnp.where(valid, x, jnp.arange(valid.shape[1]))
   flash = lambda q, k, v, valid: attn.flash_attention(
       q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
       jnp.broadcast_to(jnp.arange(valid.shape[1]), valid.shape), valid, block_q, block_k,
-      seg_start=starts, shared=segments.shared)
+      segments=(past(segments.starts), past(segments.shared_start),
+                past(segments.shared_end)))
   reference = lambda q, k, v, valid: attn._xla_segments(q, k, v, valid, segments)
   _assert_self_parity(flash, q, k, v, valid, reference=reference)
   for impl in ("blockwise", "cudnn"):
@@ -367,6 +379,7 @@ def test_blockwise_segments_never_touch_other_segments_keys():
   s = shared + sum(lengths)
   queries = np.r_[0:shared, shared + 16:s]  # the opening, continuations 2 and 3
   starts = np.r_[np.zeros(shared), np.full(12, 24), np.full(12, 36)].astype(np.int32)
+  opening = np.r_[np.zeros(shared), np.full(24, shared)].astype(np.int32)  # its end
   b, kh, g, dh = 1, 2, 2, 16
   q, _, _ = _qkv(b, len(queries), kh, g, dh, seed=9)
   keys = jax.random.split(jax.random.key(10), 2)
@@ -378,11 +391,12 @@ def test_blockwise_segments_never_touch_other_segments_keys():
     loss = lambda q, k, v: jnp.sum(fn(q, k, v) * weights)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
   flash = lambda q, k, v: attn.flash_attention(
-      q, k, v, q_pos, jnp.ones((b, s), bool), block, block, seg_start=jnp.asarray(starts)[None],
-      shared=jnp.asarray([shared], jnp.int32))
+      q, k, v, q_pos, jnp.ones((b, s), bool), block, block,
+      segments=(jnp.asarray(starts)[None], jnp.zeros((1, len(queries)), jnp.int32),
+                jnp.asarray(opening)[None]))
   mask = ((jnp.arange(s)[None, None] <= q_pos[..., None])
           & attn._segment_visible(jnp.arange(s)[None, None], jnp.asarray(starts)[None, :, None],
-                                  shared))
+                                  0, jnp.asarray(opening)[None, :, None]))
   xla = lambda q, k, v: attention(q, k.swapaxes(2, 3), v, mask)
   got, ref = grads(flash, poison(k), poison(v)), grads(xla, *(x.at[:, :, shared:shared + 16]
                                                               .set(0.0) for x in (k, v)))
@@ -424,7 +438,7 @@ def test_blockwise_segments_visit_only_blocks_with_visible_keys(monkeypatch, row
 
 def test_pallas_has_no_segment_form():
   valid, segments = _packed(_ROWS)
-  q, k, v = _qkv(2, valid.shape[1], 2, 3, 16)
+  q, k, v = _qkv(len(_ROWS), valid.shape[1], 2, 3, 16)
   for impl in ("pallas", "pallas_interpret"):
     with pytest.raises(ValueError, match=rf"attention kernel '{impl}' cannot run packed rows "
                                          r".*model.attention=blockwise or xla"):

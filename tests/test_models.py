@@ -391,8 +391,11 @@ def _packed_and_unpacked(opening, lengths, pad, seed=8):
     rows += [i] * len(cont)
     where += list(opening + np.arange(len(cont)))
     at += len(cont)
+  # Continuations see the opening [0, opening); the opening is a segment of its own.
+  shared_end = np.where(np.arange(t) >= opening, opening, 0)[None].astype(np.int32)
   segments = Segments(positions=jnp.asarray(positions), starts=jnp.asarray(starts),
-                      shared=jnp.asarray([opening], jnp.int32))
+                      shared_start=jnp.zeros((1, t), jnp.int32),
+                      shared_end=jnp.asarray(shared_end))
   unpacked_valid = np.arange(u)[None] < (opening + np.asarray(lengths))[:, None]
   packed = (jnp.asarray(tokens), jnp.arange(t)[None] < n_valid, segments)
   return packed, (jnp.asarray(unpacked), jnp.asarray(unpacked_valid)), (np.array(rows),

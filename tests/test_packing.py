@@ -38,38 +38,62 @@ def _fast_compiles():
 # ----- the layout ------------------------------------------------------------------------------
 
 
-def test_pack_rows_lays_out_each_block_by_hand():
-  tokens = np.array([[1, 2, 3, 4, 5, 0], [1, 2, 3, 7, 0, 0],   # block 0: shares 1 2 3
-                     [9, 8, 0, 0, 0, 0], [9, 8, 7, 0, 0, 0]])  # block 1: row 2 is the prefix
-  packed = packing.pack_rows(tokens, tokens > 0, rows_per_pack=2, pad_id=0, minimum=8)
+TOKENS = np.array([[1, 2, 3, 4, 5, 0], [1, 2, 3, 7, 0, 0],   # group A: shares 1 2 3
+                   [9, 8, 0, 0, 0, 0], [9, 8, 7, 0, 0, 0]])  # group B: row 2 is the opening
+
+
+def test_pack_rows_lays_out_each_group_by_hand():
+  packed = packing.pack_rows(TOKENS, TOKENS > 0, rows_per_pack=2, rows_per_opening=2,
+                             pad_id=0, minimum=8)
   np.testing.assert_array_equal(packed.tokens, [[1, 2, 3, 4, 5, 7, 0, 0],
                                                 [9, 8, 7, 0, 0, 0, 0, 0]])
   np.testing.assert_array_equal(packed.valid, packed.tokens > 0)
   np.testing.assert_array_equal(packed.positions, [[0, 1, 2, 3, 4, 3, 0, 0],
                                                    [0, 1, 2, 0, 0, 0, 0, 0]])
+  # The opening is a segment of its own; padding too, each position one.
   np.testing.assert_array_equal(packed.starts, [[0, 0, 0, 3, 3, 5, 6, 7],
                                                 [0, 0, 2, 3, 4, 5, 6, 7]])
-  np.testing.assert_array_equal(packed.shared, [3, 2])
+  np.testing.assert_array_equal(packed.shared_start, [[0, 0, 0, 0, 0, 0, 6, 7],
+                                                      [0, 0, 0, 3, 4, 5, 6, 7]])
+  np.testing.assert_array_equal(packed.shared_end, [[0, 0, 0, 3, 3, 3, 6, 7],
+                                                    [0, 0, 2, 3, 4, 5, 6, 7]])
   np.testing.assert_array_equal(packed.index, [[0, 1, 2, 3, 4, 0], [0, 1, 2, 5, 0, 0],
                                                [0, 1, 0, 0, 0, 0], [0, 1, 2, 0, 0, 0]])
 
 
+def test_pack_rows_puts_several_groups_in_one_row_each_with_its_opening():
+  packed = packing.pack_rows(TOKENS, TOKENS > 0, rows_per_pack=4, rows_per_opening=2,
+                             pad_id=0, minimum=8)
+  np.testing.assert_array_equal(packed.tokens, [[1, 2, 3, 4, 5, 7, 9, 8, 7, 0, 0, 0]])
+  np.testing.assert_array_equal(packed.positions, [[0, 1, 2, 3, 4, 3, 0, 1, 2, 0, 0, 0]])
+  np.testing.assert_array_equal(packed.starts, [[0, 0, 0, 3, 3, 5, 6, 6, 8, 9, 10, 11]])
+  np.testing.assert_array_equal(packed.shared_start, [[0, 0, 0, 0, 0, 0, 6, 6, 6, 9, 10, 11]])
+  np.testing.assert_array_equal(packed.shared_end, [[0, 0, 0, 3, 3, 3, 6, 6, 8, 9, 10, 11]])
+  np.testing.assert_array_equal(packed.index, [[0, 1, 2, 3, 4, 0], [0, 1, 2, 5, 0, 0],
+                                               [6, 7, 0, 0, 0, 0], [6, 7, 8, 0, 0, 0]])
+
+
 def test_pack_rows_packs_rows_without_a_common_opening_back_to_back():
   tokens = np.array([[1, 2, 0], [3, 4, 5]])
-  packed = packing.pack_rows(tokens, tokens > 0, rows_per_pack=2, pad_id=0, minimum=8)
+  packed = packing.pack_rows(tokens, tokens > 0, rows_per_pack=2, rows_per_opening=2,
+                             pad_id=0, minimum=8)
   np.testing.assert_array_equal(packed.tokens[0, :5], [1, 2, 3, 4, 5])
   np.testing.assert_array_equal(packed.positions[0, :5], [0, 1, 0, 1, 2])
   np.testing.assert_array_equal(packed.starts[0, :5], [0, 0, 2, 2, 2])
-  assert packed.shared[0] == 0 and packed.tokens.shape == (1, 8)
+  np.testing.assert_array_equal(packed.shared_end[0, :5], 0)  # an empty opening
+  assert packed.tokens.shape == (1, 8)
 
 
 def test_pack_rows_rejects_rows_it_cannot_pack():
   tokens = np.ones((3, 4), np.int32)
   with pytest.raises(ValueError, match="do not split into blocks of 2"):
-    packing.pack_rows(tokens, tokens > 0, rows_per_pack=2, pad_id=0)
+    packing.pack_rows(tokens, tokens > 0, rows_per_pack=2, rows_per_opening=1, pad_id=0)
+  with pytest.raises(ValueError, match="do not split into groups of 2"):
+    packing.pack_rows(tokens, tokens > 0, rows_per_pack=3, rows_per_opening=2, pad_id=0)
   left_padded = np.array([[False, True], [True, True]])
   with pytest.raises(ValueError, match="right-padded"):
-    packing.pack_rows(np.ones((2, 2), np.int32), left_padded, rows_per_pack=2, pad_id=0)
+    packing.pack_rows(np.ones((2, 2), np.int32), left_padded, rows_per_pack=2,
+                      rows_per_opening=2, pad_id=0)
 
 
 def test_update_config_refuses_packed_rows_at_several_lengths():
@@ -141,7 +165,7 @@ def _scored(setup, pack):
   batch = sharding.shard_batch(rows, mesh)
   if pack > 1:
     batch |= update_lib.packed_fields(
-        packing.pack_rows(rows["tokens"], rows["valid"], pack, pad_id=0), put)
+        packing.pack_rows(rows["tokens"], rows["valid"], pack, PACK, pad_id=0), put)
   logprobs, values = update_lib.make_scorers(policy_def, critic_def, ucfg, mesh)
   forward = {k: v for k, v in batch.items()
              if k in ("tokens", "valid", "packed_index", "packed")}
@@ -152,25 +176,27 @@ def _scored(setup, pack):
   return ucfg, state, batch, scored_values
 
 
-def test_scorers_and_update_on_packed_rows_equal_those_on_the_rows(setup):
+@pytest.mark.parametrize("pack", [PACK, 2 * PACK])
+def test_scorers_and_update_on_packed_rows_equal_those_on_the_rows(setup, pack):
+  """A group per packed row, and two groups per packed row each with its own opening."""
   mesh, _, policy_def, critic_def, opts, shardings, _ = setup
   results = {}
-  for pack in (1, PACK):
+  for pack in (1, pack):
     ucfg, state, batch, values = _scored(setup, pack)
     step = update_lib.make_update_step(policy_def, critic_def, opts, ucfg, mesh, shardings)
     scored = (np.asarray(batch["rollout_logprobs"]), np.asarray(values))
     new_state, metrics = step(state, batch)
     results[pack] = scored, jax.device_get((new_state.policy, new_state.critic)), metrics
   valid = _rows()["valid"]
-  for rows, packed in zip(results[1][0], results[PACK][0]):
+  for rows, packed in zip(results[1][0], results[pack][0]):
     np.testing.assert_allclose(np.where(valid, packed, 0), np.where(valid, rows, 0),
                                rtol=1e-5, atol=1e-5)
   # After one AdamW step of lr 1e-2: Adam divides each gradient by its own magnitude, so a
   # near-zero gradient's rounding moves its weight by up to ~1e-5 (a thousandth of a step).
-  for rows, packed in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[PACK][1])):
+  for rows, packed in zip(jax.tree.leaves(results[1][1]), jax.tree.leaves(results[pack][1])):
     np.testing.assert_allclose(packed, rows, rtol=1e-4, atol=1e-5)
   for name, value in results[1][2].items():
-    np.testing.assert_allclose(results[PACK][2][name], value, rtol=1e-4, atol=1e-6,
+    np.testing.assert_allclose(results[pack][2][name], value, rtol=1e-4, atol=1e-6,
                                err_msg=name)
 
 

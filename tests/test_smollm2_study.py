@@ -41,10 +41,9 @@ def test_study_configs_build_and_lock(env, arg):
     assert c.optim.critic_lr == 10 * c.optim.lr  # the paper's ratio; used by algo=ppo
   if "stage=bc" in arg:
     assert c.mode == "bc" and c.bc.num_tasks > 0
-  # One packed row per micro-batch: RL's a group, BC's the step's demonstrations.
-  rows = c.data.batch_tasks * c.data.group_size
-  assert c.algo.microbatches == 1 if c.mode == "bc" else c.data.batch_tasks
-  assert c.algo.pack_rows * c.algo.microbatches == rows
+  # A step's rows in one packed row.
+  assert c.algo.microbatches == 1
+  assert c.algo.pack_rows == c.data.batch_tasks * c.data.group_size
   assert c.eval.rows == 24
   with pytest.raises(AttributeError):
     c.not_a_field = 1

@@ -4,8 +4,8 @@ Every program calls one of three functions here, with `ModelConfig.attention` as
 
 * `self_attention`: the training forward (`Block.__call__`), causal over a right-padded chunk.
 * `segment_attention`: the training forward over packed rows (`Segments`): several sequences
-  back to back in one row, optionally after one opening they all share, each seeing the shared
-  opening and itself only.
+  back to back in one row, each seeing itself and the opening it continues (a group's shared
+  first turn, stored once) only.
 * `cache_attention`: `Backbone.extend`, a chunk's queries at positions starts[b] + t against
   the KV cache (prefill is extend on an empty cache; decode is extend with T = 1).
 
@@ -19,7 +19,7 @@ Kernels (`KERNELS`; a new one is one `register_kernel` call with its forms):
   (FlashAttention-2, arXiv 2307.08691, Algorithms 1 and 2), so no program holds more than one
   block of scores. Key blocks past a query block's last visible key (above the causal diagonal,
   or past every row's last valid key) are never visited; in packed rows neither are those
-  between the shared opening and the query block's first segment (the other sequences' keys).
+  between a query block's openings and its first segment (the other sequences' keys).
   Any backend.
 * "cudnn": `jax.nn.dot_product_attention` with cuDNN's fused flash kernel for the training
   forward where its constraints hold (GPU, bf16/fp16, head_dim <= 128 and a multiple of 8),
@@ -150,31 +150,36 @@ def self_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array, i
 
 @struct.dataclass
 class Segments:
-  """How the sequences of packed rows lie: an optional shared opening, then segments back to back.
+  """How the sequences of packed rows lie: segments back to back, each continuing the shared
+  opening before it, if any.
 
-  Query t of row b sees key s iff valid[b, s] and s <= t and (s < shared[b] or
-  s >= starts[b, t]). The row [p0..p4 | a0 a1 a2 | b0 b1] (an opening of 5, then two
-  sequences continuing it) has shared = 5, starts = [0] * 5 + [5] * 3 + [8] * 2 and positions
-  = [0..4, 5, 6, 7, 5, 6]: b's tokens see the opening and b, at the positions they would have
-  in their own row. shared = 0 is plain packing (each segment starting at its own first
-  token).
+  Query t of row b sees key s iff valid[b, s] and s <= t and (s >= starts[b, t] or
+  shared_start[b, t] <= s < shared_end[b, t]). The row [p0..p4 | a0 a1 a2 | b0 b1] (an
+  opening of 5, then two sequences continuing it) has starts = [0] * 5 + [5] * 3 + [8] * 2,
+  shared_start = 0 and shared_end = [0] * 5 + [5] * 5 (the opening itself continues nothing)
+  and positions = [0..4, 5, 6, 7, 5, 6]: b's tokens see the opening and b, at the positions
+  they would have in their own row. A row may hold several openings, each with the segments
+  that continue it (a batch's groups); shared_start = shared_end is plain packing.
 
   Attributes:
     positions: [B, T] int32, each token's RoPE position.
-    starts: [B, T] int32, the index in the row of the first token of the token's segment (0 in
-      the shared opening).
-    shared: [B] int32, the length of the row's shared opening (0: none).
+    starts: [B, T] int32, the index in the row of the first token of the token's segment (an
+      opening is a segment of its own).
+    shared_start, shared_end: [B, T] int32, the opening the token's segment continues, as
+      [start, end) indices in the row (equal: none).
   """
 
   positions: jax.Array
   starts: jax.Array
-  shared: jax.Array
+  shared_start: jax.Array
+  shared_end: jax.Array
 
 
-def _segment_visible(s: jax.Array, starts: jax.Array, shared: jax.Array) -> jax.Array:
+def _segment_visible(s: jax.Array, starts: jax.Array, shared_start: jax.Array,
+                     shared_end: jax.Array) -> jax.Array:
   """The packed rows' part of `Segments`'s rule (the rest is valid[b, s] and s <= t): key
-  indices s against the queries' starts and the rows' shared lengths, all broadcast."""
-  return (s < shared) | (s >= starts)
+  indices s against the queries' starts and shared openings, all broadcast."""
+  return (s >= starts) | ((s >= shared_start) & (s < shared_end))
 
 
 def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
@@ -351,7 +356,8 @@ def _xla_segments(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Array,
   t = q.shape[1]
   s = jnp.arange(t)[None, None, :]
   mask = (jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
-          & _segment_visible(s, segments.starts[:, :, None], segments.shared[:, None, None]))
+          & _segment_visible(s, segments.starts[:, :, None], segments.shared_start[:, :, None],
+                             segments.shared_end[:, :, None]))
   return causal_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
 
 
@@ -377,11 +383,13 @@ def _flash_block(n: int, largest: int = _FLASH_BLOCK) -> int:
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                     kv_valid: jax.Array, block_q: int | None = None,
-                    block_k: int | None = None, *, seg_start: jax.Array | None = None,
-                    shared: jax.Array | None = None) -> jax.Array:
+                    block_k: int | None = None, *,
+                    segments: tuple[jax.Array, jax.Array, jax.Array] | None = None
+                    ) -> jax.Array:
   """Attention without a [T, S] score matrix: query t of row b sees key s where
-  kv_valid[b, s] and s <= q_pos[b, t], and in packed rows (seg_start and shared given) where
-  s < shared[b] or s >= seg_start[b, t] as well (`Segments`'s rule).
+  kv_valid[b, s] and s <= q_pos[b, t], and in packed rows (`segments`) where
+  s >= starts[b, t] or shared_start[b, t] <= s < shared_end[b, t] as well (`Segments`'s
+  rule).
 
   Args:
     q: [B, T, K, G, Dh] queries (K kv heads, G query heads each).
@@ -389,10 +397,10 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     q_pos: [B, T] int32 positions of the queries (a query at -1 sees nothing).
     kv_valid: [B, S] bool.
     block_q, block_k: block sizes (default `_flash_block` of T and S).
-    seg_start: [B, T] int32, the first key of each query's segment, or None (no segments).
-    shared: [B] int32, the rows' shared openings; given exactly when seg_start is. A query
-      block visits the key blocks of the longest opening and those from the one holding its
-      smallest seg_start on, so keep a padded query's seg_start high (its own index).
+    segments: (starts, shared_start, shared_end), each [B, T] int32, or None (no segments).
+      A query block visits the key blocks of its openings and those from the one holding its
+      smallest start on, so give a padded query a start and an empty opening at its own
+      index or later.
 
   Returns:
     [B, T, K * G * Dh] in q's dtype (h = k * G + g); 0 for a query that sees no key.
@@ -411,14 +419,12 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
   q_pos = jnp.repeat(q_pos.reshape(b, nq, block_q).transpose(1, 0, 2), g, axis=2)
   pad_k = ((0, 0), (0, 0), (0, nk * block_k - s), (0, 0))
   kv_valid = jnp.pad(kv_valid.astype(bool), ((0, 0), (0, nk * block_k - s)))
-  if (seg_start is None) != (shared is None):
-    raise ValueError("flash_attention takes seg_start and shared together; pass both or neither.")
   seg = None
-  if seg_start is not None:  # laid out as q_pos; padded queries start past every key
-    seg_start = jnp.pad(seg_start.astype(jnp.int32), ((0, 0), (0, nq * block_q - t)),
-                        constant_values=nk * block_k)
-    seg = (jnp.repeat(seg_start.reshape(b, nq, block_q).transpose(1, 0, 2), g, axis=2),
-           shared.astype(jnp.int32))
+  if segments is not None:  # laid out as q_pos; padded queries start past every key
+    lay_out = lambda x: jnp.repeat(jnp.pad(
+        x.astype(jnp.int32), ((0, 0), (0, nq * block_q - t)), constant_values=nk * block_k
+    ).reshape(b, nq, block_q).transpose(1, 0, 2), g, axis=2)
+    seg = tuple(map(lay_out, segments))
   out = _flash(q, jnp.pad(k, pad_k), jnp.pad(v, pad_k), q_pos, kv_valid, seg, block_k)
   out = out.reshape(nq, b, kh, block_q, g, dh).transpose(1, 0, 3, 2, 4, 5)
   return out.reshape(b, nq * block_q, kh * g * dh)[:, :t].astype(v.dtype)
@@ -436,32 +442,35 @@ def _key_ranges(q_pos: jax.Array, kv_valid: jax.Array, block_k: int, seg
                 ) -> list[tuple[jax.Array | int, jax.Array]]:
   """The key blocks a query block visits, as disjoint [lo, hi) ranges (lo >= hi: none).
 
-  Without segments (seg None) blocks 0 .. `_key_blocks`; with them (seg = starts [B, R],
-  shared [B]) the blocks of the longest shared opening, then those from the one holding the
-  smallest start on: the blocks between hold only other segments' keys. The second range
-  begins where the first ends when they overlap, so no block counts twice.
+  Without segments (seg None) blocks 0 .. `_key_blocks`; with them (seg = starts,
+  shared_start, shared_end [B, R]) the blocks of the block's openings, then those from the one
+  holding its smallest start on: the blocks between hold only other segments' keys. The first
+  range stops where the second begins, so no block counts twice.
   """
   end = _key_blocks(q_pos, kv_valid, block_k)
   if seg is None:
     return [(0, end)]
-  starts, shared = seg
-  opening = jnp.minimum(-(-jnp.max(shared) // block_k), end)
-  return [(0, opening), (jnp.maximum(jnp.min(starts) // block_k, opening), end)]
+  starts, shared_start, shared_end = seg
+  some = shared_start < shared_end
+  first = jnp.minimum(jnp.min(jnp.where(some, shared_start, jnp.iinfo(jnp.int32).max))
+                      // block_k, end)
+  last = jnp.minimum(-(-jnp.max(jnp.where(some, shared_end, 0)) // block_k), end)
+  own = jnp.minimum(jnp.min(starts) // block_k, end)
+  return [(first, jnp.minimum(last, own)), (own, end)]
 
 
 def _block_scores(q: jax.Array, k: jax.Array, q_pos: jax.Array, kv_valid: jax.Array, seg,
                   j: jax.Array, block_k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Scores of query rows q [B, K, R, Dh] against key block j of k [B, K, S, Dh], with
-  segments seg (starts [B, R], shared [B]) or None: (scores [B, K, R, bk] float32 with the
-  masked ones at -inf, mask [B, 1, R, bk], the block's keys)."""
+  segments seg (starts, shared_start, shared_end [B, R]) or None: (scores [B, K, R, bk]
+  float32 with the masked ones at -inf, mask [B, 1, R, bk], the block's keys)."""
   kj = jax.lax.dynamic_slice_in_dim(k, j * block_k, block_k, axis=2)
   valid = jax.lax.dynamic_slice_in_dim(kv_valid, j * block_k, block_k, axis=1)
   slots = j * block_k + jnp.arange(block_k)
   mask = valid[:, None, None, :] & (slots[None, None, None, :] <= q_pos[:, None, :, None])
   if seg is not None:
-    starts, shared = seg
-    mask &= _segment_visible(slots[None, None, None, :], starts[:, None, :, None],
-                             shared[:, None, None, None])
+    mask &= _segment_visible(slots[None, None, None, :],
+                             *(x[:, None, :, None] for x in seg))
   scores = jnp.einsum("bkrd,bksd->bkrs", q, kj, preferred_element_type=jnp.float32)
   scores = jnp.where(mask, scores * (q.shape[-1] ** -0.5), _NEG_INF)
   return scores, mask, kj
@@ -490,9 +499,8 @@ def _zeros_after(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _query_block_segments(seg, i):
-  """Query block i's segments (starts [B, R], shared [B]) from seg (starts [nq, B, R],
-  shared [B]), or None."""
-  return None if seg is None else (seg[0][i], seg[1])
+  """Query block i's segments (three [B, R]) from seg (three [nq, B, R]), or None."""
+  return None if seg is None else tuple(x[i] for x in seg)
 
 
 def _flash_forward(q, k, v, q_pos, kv_valid, seg, block_k):
@@ -602,9 +610,11 @@ def _blockwise_segments(q: jax.Array, k: jax.Array, v: jax.Array, valid: jax.Arr
   # Padded queries see nothing (output 0) and start past every key: whatever the caller put
   # in their starts, they pull no key block into their query block's loops.
   block = _flash_block(t, _SEGMENT_BLOCK)
+  past = lambda x: jnp.where(valid, x, t)
   return flash_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
                          jnp.where(valid, index, -1), valid, block, block,
-                         seg_start=jnp.where(valid, segments.starts, t), shared=segments.shared)
+                         segments=(past(segments.starts), past(segments.shared_start),
+                                   past(segments.shared_end)))
 
 
 def _blockwise_cache(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, starts: jax.Array

@@ -30,7 +30,7 @@ softmax after the value matmul and skips the key blocks above the causal diagona
 the big matmuls, where a profile found XLA:CPU losing time (benchmarks/README.md, Update, has
 the measurements, with those of the one-pass log-prob and entropy of `rl.logprobs`).
 
-Given `Segments` (packed rows: sequences back to back after an optional shared opening), the
+Given `Segments` (packed rows: sequences back to back, each after the opening it shares), the
 training forward takes each token's RoPE position from them and attends by their rule
 (`attention.segment_attention`), so each sequence's hidden states are those it would have in a
 row of its own.

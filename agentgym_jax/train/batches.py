@@ -163,12 +163,14 @@ def _scored_positions(put: Callable, loss_mask: np.ndarray) -> jax.Array | None:
 
 def _packed(inputs: StepInputs, rows: Any) -> dict[str, Any] | None:
   """The update rows' packed rows (`update.packed_fields`), or None when `algo.pack_rows` is
-  1 (rows as they are)."""
-  k = inputs.update.pack_rows
+  1 (rows as they are). A group's samples share their opening; without groups (behaviour
+  cloning's demonstrations) a packed row's rows share theirs (the system prompt)."""
+  k, group = inputs.update.pack_rows, inputs.config.data.group_size
   if k == 1:
     return None
   return update_lib.packed_fields(
-      packing.pack_rows(rows.tokens, rows.valid, k, inputs.tok.pad_id), inputs.put)
+      packing.pack_rows(rows.tokens, rows.valid, k, min(group, k) if group > 1 else k,
+                        inputs.tok.pad_id), inputs.put)
 
 
 def _forward_positions(tokens: Any, packed: dict[str, Any] | None) -> dict[str, float]:

@@ -46,7 +46,7 @@ the rest, so the losses and log-probs are those of the whole row. The cost is k 
 compile.
 
 Packed rows: with `pack_rows` = k > 1 the model runs on packed rows (`train.packing`), each
-block of k consecutive rows (a group) as one row holding their common opening once, and its
+block of k consecutive rows as one row holding each group's common opening once, and its
 hidden states are gathered back to the batch's rows (`row_hidden`): every loss, metric and
 returned array is on the [R, L] rows as without packing. A micro-batch then holds whole
 blocks (`split_micro`'s `rows_per_item`).
@@ -68,9 +68,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from agentgym_jax import settings as settings_lib
 from agentgym_jax import sharding as sharding_lib
+from agentgym_jax.models.attention import Segments
 from agentgym_jax.rl import logprobs as logprobs_lib
 from agentgym_jax.rl import losses
-from agentgym_jax.models.attention import Segments
 from agentgym_jax.rl.algorithm import AlgorithmSpec
 from agentgym_jax.rollout.trajectory import bucket_length
 from agentgym_jax.train.state import UPDATE_STREAM, Optimizers, Params, TrainState, step_key
@@ -88,8 +88,8 @@ class Batch(TypedDict, total=False):
   are its own); scored_positions [R, P] int32, the positions the LM head scores
   (`scored_positions`), unless it scores every position. With packed rows (`pack_rows` > 1):
   packed_index [R, L], where each row's tokens sit in its block's packed row, and packed, the
-  packed rows [G, ...] (`packing.PackedRows` but index: tokens, valid, positions, starts
-  [G, Lp] and shared [G]).
+  packed rows [G, Lp] (`packing.PackedRows` but index: tokens, valid, positions, starts,
+  shared_start, shared_end).
   """
 
   tokens: jax.Array
@@ -187,7 +187,8 @@ def packed_fields(packed: Any, put: Callable[[np.ndarray], jax.Array]) -> dict[s
   through `put` (host -> global array, leading axis over the data axes)."""
   return {"packed_index": put(packed.index),
           "packed": {name: put(getattr(packed, name))
-                     for name in ("tokens", "valid", "positions", "starts", "shared")}}
+                     for name in ("tokens", "valid", "positions", "starts", "shared_start",
+                                  "shared_end")}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,8 +265,7 @@ def row_hidden(backbone: Callable, rows: dict[str, jax.Array]) -> jax.Array:
   packed = rows.get("packed")
   if packed is None:
     return backbone(rows["tokens"], rows["valid"])
-  segments = Segments(positions=packed["positions"], starts=packed["starts"],
-                      shared=packed["shared"])
+  segments = Segments(**{k: v for k, v in packed.items() if k not in ("tokens", "valid")})
   return unpack(backbone(packed["tokens"], packed["valid"], segments), rows["packed_index"])
 
 
