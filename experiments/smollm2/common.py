@@ -71,9 +71,6 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
   # where an episode uses it.
   c.rollout.max_context = s.max_context
   c.eval.num_tasks = s.eval_tasks
-  # Held-out episodes 24 at a time (a step's 4 or 8 rows by default): a decoded token reads all
-  # of the model's weights whatever the rows, so 48 tasks cost 2 rounds of decoding, not 6-12.
-  c.eval.rows = 24
   c.checkpoint.keep = 1
   c.checkpoint.export_hf = False
   c.log.progress_bar = False
