@@ -430,8 +430,7 @@ def plan(config: ml_collections.ConfigDict, target: Target,
   batch = run.batch()
   score_logprobs, score_values = update_lib.make_scorers(run.policy_def, run.critic_def,
                                                          run.update_cfg, run.mesh)
-  forward = {k: v for k, v in batch.items()
-             if k in ("tokens", "valid", "scored_positions", "packed_index", "packed")}
+  forward = update_lib.forward_inputs(batch)
   compile_program(
       "score_logprobs", lambda: score_logprobs.lower(run.state.policy, forward),
       resident=state_bytes - per_chip_bytes(run.state.policy) + per_chip_bytes(batch))

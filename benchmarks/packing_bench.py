@@ -105,8 +105,7 @@ def run_layout(spec: str, pack: int, host: dict[str, np.ndarray], repeats: int
       run.spec, tokens=put(host["tokens"]), valid=put(host["valid"]), loss_mask=put(mask),
       advantages=put(mask * 0.5), ref_logprobs=put(zeros), rollout_logprobs=put(zeros),
       scored_positions=None if positions is None else put(positions), packed=packed)
-  forward = {k: v for k, v in batch.items()
-             if k in ("tokens", "valid", "scored_positions", "packed_index", "packed")}
+  forward = update_lib.forward_inputs(batch)
   step = update_lib.make_update_step(split.policy_def, None, run.optimizers, run.update_cfg,
                                      run.mesh, split.shardings)
   score, _ = update_lib.make_scorers(split.policy_def, None, run.update_cfg, run.mesh)

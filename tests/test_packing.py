@@ -167,8 +167,7 @@ def _scored(setup, pack):
     batch |= update_lib.packed_fields(
         packing.pack_rows(rows["tokens"], rows["valid"], pack, PACK, pad_id=0), put)
   logprobs, values = update_lib.make_scorers(policy_def, critic_def, ucfg, mesh)
-  forward = {k: v for k, v in batch.items()
-             if k in ("tokens", "valid", "packed_index", "packed")}
+  forward = update_lib.forward_inputs(batch)
   # On-policy (one epoch, one minibatch): the update's forward gives the old log-probs, and
   # compares them with the sampler's (here the scorer's).
   batch["rollout_logprobs"] = batch["ref_logprobs"] = logprobs(state.policy, forward)

@@ -182,6 +182,15 @@ def build_batch(spec: AlgorithmSpec, *, tokens: jax.Array, valid: jax.Array,
   return batch
 
 
+# The batch's fields a forward pass reads (the scorers' rows, `make_scorers`).
+FORWARD_FIELDS = ("tokens", "valid", "scored_positions", "packed_index", "packed")
+
+
+def forward_inputs(batch: Batch) -> dict[str, Any]:
+  """What the scorers read of a batch: its `FORWARD_FIELDS`."""
+  return {k: v for k, v in batch.items() if k in FORWARD_FIELDS}
+
+
 def packed_fields(packed: Any, put: Callable[[np.ndarray], jax.Array]) -> dict[str, Any]:
   """A host `packing.PackedRows` as the batch's packed_index and packed fields, each array
   through `put` (host -> global array, leading axis over the data axes)."""
@@ -295,11 +304,16 @@ def split_micro(tree: Any, num: int, rows_per_item: int = 1) -> Any:
                        "micro-batches.")
     x = x.reshape(items // num, num, per_item, *x.shape[1:])
     return jnp.swapaxes(x, 0, 1).reshape(num, (items // num) * per_item, *x.shape[3:])
-  if isinstance(tree, dict) and "packed" in tree:
-    rest = {k: v for k, v in tree.items() if k != "packed"}
-    return {**jax.tree.map(lambda x: one(x, rows_per_item), rest),
-            "packed": jax.tree.map(lambda x: one(x, 1), tree["packed"])}
-  return jax.tree.map(lambda x: one(x, rows_per_item), tree)
+  return _map_rows(tree, lambda x: one(x, rows_per_item), lambda x: one(x, 1))
+
+
+def _map_rows(tree: Any, on_rows: Callable, on_packed: Callable) -> Any:
+  """`on_rows` over a batch's row fields [R, ...], `on_packed` over its packed rows [G, ...]
+  (tree["packed"], when it has them)."""
+  if not (isinstance(tree, dict) and "packed" in tree):
+    return jax.tree.map(on_rows, tree)
+  rest = {k: v for k, v in tree.items() if k != "packed"}
+  return {**jax.tree.map(on_rows, rest), "packed": jax.tree.map(on_packed, tree["packed"])}
 
 
 def rows_per_item(rows: dict[str, Any]) -> int:
@@ -510,11 +524,8 @@ def take_items(batch: Batch, items: jax.Array) -> Batch:
   packed rows when the batch has them."""
   per_item = rows_per_item(batch)
   rows = (items[:, None] * per_item + jnp.arange(per_item)).reshape(-1)
-  take = lambda index: lambda x: jnp.take(x, index, axis=0)
-  if "packed" not in batch:
-    return jax.tree.map(take(rows), batch)
-  rest = {k: v for k, v in batch.items() if k != "packed"}
-  return {**jax.tree.map(take(rows), rest), "packed": jax.tree.map(take(items), batch["packed"])}
+  return _map_rows(batch, lambda x: jnp.take(x, rows, axis=0),
+                   lambda x: jnp.take(x, items, axis=0))
 
 
 def step_unless(tx: optax.GradientTransformation, finite: jax.Array, grads: Params,
