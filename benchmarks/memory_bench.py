@@ -74,6 +74,7 @@ def one_row_config(spec: str, choice: Choice, length: int):
   with config.unlocked():
     config.data.batch_tasks = config.data.group_size = 1
     config.algo.minibatches = config.algo.microbatches = config.algo.epochs = 1
+    config.algo.pack_rows = 1  # one row: nothing to pack with
     config.rollout.max_context = length
     config.model.attention, config.model.layer_loop = choice.attention, choice.layer_loop
     config.model.remat = choice.remat
