@@ -18,15 +18,16 @@ the C library is not glibc it does nothing.
 
 Programs hold memory too: on XLA:CPU every executable of the model (an extend at one chunk
 width and cache length, a decode loop, an update) keeps about 40 MiB of SmolLM2-135M resident
-while JAX holds it, and a run meets a new shape every few steps, so resident memory climbs by
-hundreds of MiB a step. `release_programs()` drops them all; the next call of each jitted
-function traces again and loads its program from the persistent compilation cache
-(agentgym_jax/caches.py) instead of compiling it. A `ProgramBudget` does so once
-`compile.max_programs` programs have been built since its last release, at the safe points that
-ask it (`release_if_over_budget`): between a step's batch and its update, so that the rollout's
-programs are not held through the update's peak, and between the turns of a rollout, so that a
-held-out evaluation of many tasks (each turn a new extend width and cache length: 100 programs
-in one evaluation of the main job) does not hold them all.
+while JAX holds it (its kernels, not its arguments), and a run meets a new shape every few
+steps. `release_programs()` drops them all; the next call of each jitted function traces again
+and loads its program from the persistent compilation cache (agentgym_jax/caches.py) instead
+of compiling it, which costs about half a second a program of that model. A `ProgramBudget`
+does so when the process's resident memory has passed `compile.max_resident_gib` at a safe
+point that asks it (`release_if_over_budget`): between a step's batch and its update, so that
+the update's temporaries start below the budget, and between the turns of a rollout, so that a
+held-out evaluation's programs do not pile up. A budget in bytes rather than programs keeps
+every program while memory allows (a run whose shapes repeat then loads nothing after its
+first steps) and drops them only when they would push the next peak too high.
 """
 
 from __future__ import annotations
@@ -71,28 +72,58 @@ def release_programs() -> None:
     ctypes.CDLL(None).malloc_trim(0)
 
 
-class ProgramBudget:
-  """Drops every program (`release_programs`) once more than `max_programs` were built since the
-  last drop, when asked at a point where no traced function is running (`check`).
+def resident_bytes() -> int | None:
+  """This process's resident memory (VmRSS of /proc/self/status); None where there is none."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as status:
+      for line in status:
+        if line.startswith("VmRSS:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
 
-  `built` counts the executables the process has built so far (`caches.CompileCounter.built`).
+
+class ProgramBudget:
+  """Drops every program (`release_programs`) when the process holds more than
+  `max_resident_bytes` and has built programs since the last drop, when asked at a point where
+  no traced function is running (`check`).
+
+  `built` counts the executables the process has built so far (`caches.CompileCounter.built`);
+  `resident` reads the process's resident bytes (`resident_bytes`; None: never over).
   """
 
-  def __init__(self, max_programs: int, built: Callable[[], int]):
-    if max_programs < 1:
-      raise ValueError(f"ProgramBudget: max_programs must be >= 1, got {max_programs}.")
-    self.max_programs, self._built = max_programs, built
+  def __init__(self, max_resident_bytes: int, built: Callable[[], int],
+               resident: Callable[[], int | None] = resident_bytes):
+    if max_resident_bytes <= 0:
+      raise ValueError(f"ProgramBudget: max_resident_bytes must be > 0, got "
+                       f"{max_resident_bytes}; compile.max_resident_gib=0 keeps every program.")
+    self.max_resident_bytes, self._built, self._resident = max_resident_bytes, built, resident
     self._released_at = built()
     self.releases = 0
+    self._warned = False
 
   def check(self) -> bool:
     """Releases when over budget; True when it did."""
-    if self._built() - self._released_at <= self.max_programs:
+    held = self._resident()
+    if held is None or held <= self.max_resident_bytes or self._built() == self._released_at:
       return False
     release_programs()
     self._released_at = self._built()
     self.releases += 1
+    after = self._resident()
+    if after is not None and after > self.max_resident_bytes and not self._warned:
+      self._warned = True
+      logging.warning(
+          "compile.max_resident_gib=%.2f is below what the run holds without its programs "
+          "(%.2f GiB): every safe point now reloads its programs; raise it or set 0.",
+          self.max_resident_bytes / 2**30, after / 2**30)
     return True
+
+
+def budget_of(max_resident_gib: float, built: Callable[[], int]) -> ProgramBudget | None:
+  """The budget of `compile.max_resident_gib` (0: None, every program kept)."""
+  return ProgramBudget(int(max_resident_gib * 2**30), built) if max_resident_gib else None
 
 
 # The process's budget (None: programs are kept), set by the trainer for its synchronous loop.

@@ -125,9 +125,9 @@ def test_an_unwritable_cache_dir_stops_the_command_with_one_line(tmp_path):
 
 
 def test_programs_released_before_each_update_are_reloaded_and_train_the_same(runs):
-  # compile.max_programs=1: every step drops its programs between its batch and its update;
-  # the next step loads them back from the cache. The run trains the same as one keeping them.
-  released = train(runs["root"] / "released", runs["cache"], "--config.compile.max_programs=1")
+  # compile.max_resident_gib=1e-6 (1 KiB): every step drops its programs between its batch and
+  # its update; the next step loads them back from the cache. The run trains the same as one keeping them.
+  released = train(runs["root"] / "released", runs["cache"], "--config.compile.max_resident_gib=1e-6")
   kept = runs["warm"]
   for r in released[1:]:
     assert r["compile/count"] > 0 and r["compile/cache_hits"] == r["compile/count"], r

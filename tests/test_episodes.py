@@ -620,7 +620,7 @@ def test_programs_past_the_budget_go_between_turns_and_the_samples_stay(tok, mod
   run = lambda: run_episodes((graphdef, state), tok, FakePool(), [1, 2, 3, 6], settings, rng=0)
   want, _ = run()
   freed_memory.release_programs()  # so that each turn builds its programs again
-  budget = freed_memory.ProgramBudget(1, caches.CompileCounter().built)
+  budget = freed_memory.ProgramBudget(1, caches.CompileCounter().built)  # 1 byte: always over
   freed_memory.set_program_budget(budget)
   try:
     got, _ = run()

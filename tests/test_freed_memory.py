@@ -1,5 +1,6 @@
 """freed_memory: freed large buffers leave the process's resident memory (glibc)."""
 
+import logging
 import os
 import platform
 import subprocess
@@ -68,27 +69,47 @@ def test_released_programs_are_built_again_and_give_the_same_result():
   assert (f(x) == before).all() and f._cache_size() == 1
 
 
-def test_a_program_budget_releases_only_past_its_size(monkeypatch):
-  built = [0]
+def test_a_program_budget_releases_past_its_resident_bytes_when_programs_were_built(
+    monkeypatch, caplog):
+  built, held = [0], [100]
   releases = []
-  monkeypatch.setattr(freed_memory, "release_programs", lambda: releases.append(built[0]))
-  budget = freed_memory.ProgramBudget(3, lambda: built[0])
+
+  def release():
+    releases.append(built[0])
+    held[0] -= 50  # the programs' memory goes back
+
+  monkeypatch.setattr(freed_memory, "release_programs", release)
+  budget = freed_memory.ProgramBudget(100, lambda: built[0], resident=lambda: held[0])
   built[0] = 3
-  assert not budget.check() and releases == []  # 3 built: within the budget
-  built[0] = 4
-  assert budget.check() and releases == [4]  # past it: released, counting from here
-  built[0] = 7
-  assert not budget.check()
-  built[0] = 8
-  assert budget.check() and releases == [4, 8] and budget.releases == 2
+  assert not budget.check() and releases == []  # 100 bytes held: within the budget
+  held[0] = 120
+  assert budget.check() and releases == [3] and held[0] == 70  # past it: released
+  held[0] = 130
+  assert not budget.check()  # nothing built since: nothing to drop
+  built[0] = 5
   freed_memory.set_program_budget(budget)
   try:
-    built[0] = 12
     freed_memory.release_if_over_budget()
-    assert releases == [4, 8, 12]
+    assert releases == [3, 5] and budget.releases == 2
   finally:
     freed_memory.set_program_budget(None)
   freed_memory.release_if_over_budget()  # no budget: nothing happens
-  assert releases == [4, 8, 12]
-  with pytest.raises(ValueError, match="max_programs must be >= 1"):
+  assert releases == [3, 5]
+  # A budget below what the run holds without programs says so, once.
+  held[0], built[0] = 300, 9
+  with caplog.at_level(logging.WARNING):
+    assert budget.check() and budget.check() is False
+    built[0] = 10
+    assert budget.check()
+  assert sum("compile.max_resident_gib" in r.getMessage() for r in caplog.records) == 1
+  # Where resident memory cannot be read, nothing is released.
+  assert not freed_memory.ProgramBudget(1, lambda: 7, resident=lambda: None).check()
+  assert freed_memory.budget_of(0.0, lambda: 0) is None
+  assert freed_memory.budget_of(1.5, lambda: 0).max_resident_bytes == 3 * 2**29
+  with pytest.raises(ValueError, match="max_resident_bytes must be > 0"):
     freed_memory.ProgramBudget(0, lambda: 0)
+
+
+def test_resident_bytes_reads_this_process():
+  held = freed_memory.resident_bytes()
+  assert held is None or 10 * 2**20 < held < 64 * 2**30

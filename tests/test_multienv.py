@@ -289,7 +289,7 @@ def _lines(path):
 TINY = ["--config.init_from=", "--config.algo.dynamic_sampling=False", "--config.model.source=random", "--config.tokenizer.spec=bpe:400",
         "--config.tokenizer.bpe_tasks=4", "--config.rollout.max_reply_tokens=16",
         "--config.env.mix.babyai.max_turns=1", "--config.eval.num_tasks=1",
-        "--config.log.trajectories_every=1", "--config.compile.max_programs=0",
+        "--config.log.trajectories_every=1", "--config.compile.max_resident_gib=0",
         "--config.env.num_workers=1"]
 
 

@@ -259,21 +259,31 @@ def test_shared_openings_are_prefilled_once_with_the_numbers_of_a_plain_prefill(
 def test_chunk_and_cache_buckets():
   assert [bucket_length(n, 16) for n in (1, 16, 17, 25, 100, 129, 200, 512)] == [
       16, 16, 24, 32, 128, 192, 256, 512]
-  assert [sampler.cache_bucket(n, 1152) for n in (0, 300, 1024, 1100, 5000)] == [
-      256, 384, 1024, 1152, 1152]
+  # Powers of two from 256, capped at the limit.
+  assert [sampler.cache_bucket(n, 1152) for n in (0, 256, 300, 513, 1024, 1100, 5000)] == [
+      256, 256, 512, 1024, 1024, 1152, 1152]
 
 
 def test_chunk_pieces():
   assert sampler.chunk_pieces(0) == []
   assert sampler.chunk_pieces(16) == [(16, 16)]
-  assert sampler.chunk_pieces(17) == [(17, 24)]  # pads 7 <= 16: one call
-  assert sampler.chunk_pieces(67) == [(64, 64), (3, 16)]  # 96 would pad 29
-  assert sampler.chunk_pieces(190) == [(190, 192)]
-  assert sampler.chunk_pieces(1500) == [(512, 512), (512, 512), (384, 384), (92, 96)]
-  # No call takes more than max_piece tokens, even when its bucket is wider.
-  assert sampler.chunk_pieces(700, max_piece=500) == [(500, 512), (192, 192), (8, 16)]
-  for n in range(1, 700):
+  assert sampler.chunk_pieces(17) == [(16, 16), (1, 16)]
+  assert sampler.chunk_pieces(67) == [(64, 64), (3, 16)]
+  assert sampler.chunk_pieces(190) == [(64, 64), (64, 64), (16, 16), (16, 16), (16, 16),
+                                       (14, 16)]
+  assert sampler.chunk_pieces(1500) == [(512, 512), (512, 512), (256, 256), (64, 64),
+                                        (64, 64), (64, 64), (16, 16), (12, 16)]
+  # No call takes more than max_piece tokens; the cap is a width of its own.
+  assert sampler.chunk_pieces(700, max_piece=500) == [(500, 500), (64, 64), (64, 64), (64, 64),
+                                                      (8, 16)]
+  assert sampler.chunk_pieces(40, max_piece=20) == [(20, 20), (20, 20)]
+  widths = set()
+  for n in range(1, 1200):
     pieces = sampler.chunk_pieces(n)
+    widths.update(w for _, w in pieces)
     assert sum(t for t, _ in pieces) == n
-    assert all(t <= w == bucket_length(w, 16) for t, w in pieces)
-    assert sum(w for _, w in pieces) - n <= 16 * len(pieces)
+    assert all(t == w for t, w in pieces[:-1])  # only the last call pads
+    assert pieces[-1][1] - pieces[-1][0] < 16
+  assert widths == {16, 64, 256, 512}
+  with pytest.raises(ValueError, match="max_piece must be >= 16"):
+    sampler.chunk_pieces(10, max_piece=8)

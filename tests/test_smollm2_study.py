@@ -37,7 +37,7 @@ def test_study_configs_build_and_lock(env, arg):
   if "stage=rl" in arg:
     assert c.init_from == "/tmp/bc" and c.mode == "rl"
     assert c.algo.estimator == ("gae" if "algo=ppo" in arg else "drgrpo")  # grpo: Dr.GRPO
-    assert c.algo.clip_high == 0.28 and c.algo.kl_coef > 0
+    assert c.algo.clip_high == 0.28 and c.algo.kl_coef == 0  # no reference to score
     assert c.optim.critic_lr == 10 * c.optim.lr  # the paper's ratio; used by algo=ppo
   if "stage=bc" in arg:
     assert c.mode == "bc" and c.bc.num_tasks > 0
@@ -148,7 +148,7 @@ def test_horizon_sweep_is_every_horizon_by_three_seeds():
 TINY = ["--config.init_from=", "--config.model.source=random", "--config.tokenizer.spec=bpe:400",
         "--config.tokenizer.bpe_tasks=4", "--config.rollout.max_reply_tokens=16",
         "--config.env.num_workers=1", "--config.log.trajectories_every=0",
-        "--config.compile.max_programs=0", "--config.eval.num_tasks=1"]
+        "--config.compile.max_resident_gib=0", "--config.eval.num_tasks=1"]
 
 
 # Slow: ~55 s of a loaded 2-core machine; the token budget's stop, resume and metric are in
@@ -188,20 +188,19 @@ def test_smollm2_horizon_study_runlocal_bc_then_evidence(tmp_path):
 # The study's starting recipe and RL stage, as committed: BC, then Dr.GRPO for the config's 24
 # steps (rollouts at temperature 0.7), greedy held-out on the first EVAL_TASKS test tasks,
 # evaluated once at the end. On these 16 tasks the study's runs (README.md, 2026-12-05, run 5:
-# this config and command) printed zero-shot 0/16, BC 6/16 and after the 24 RL steps 12/16
-# (+37.5 points; +16.7 on the 48 tasks of the study), with the KL to BC at most 0.085 per
-# token. The margins: BC lifts zero-shot by BC_LIFT, RL lifts BC by RL_GAIN (the issue's goal,
-# +15 points of greedy held-out success), at a KL to BC below MAX_KL. They hold for the
-# config's seed 0, which the test runs: with seed=1 (run 6) the same RL stage ended at 7/16
-# (+1 task), which fails RL_GAIN (its KL to BC, at most 0.18, stays under MAX_KL).
+# this recipe with a KL penalty of 0.001, since dropped) printed zero-shot 0/16, BC 6/16 and
+# after the 24 RL steps 12/16 (+37.5 points; +16.7 on the 48 tasks of the study). The margins:
+# BC lifts zero-shot by BC_LIFT, RL lifts BC by RL_GAIN (the issue's goal, +15 points of greedy
+# held-out success). They hold for the config's seed 0, which the test runs: with seed=1
+# (run 6) the same RL stage ended at 7/16 (+1 task), which fails RL_GAIN.
 EVAL_TASKS = 16
-BC_LIFT, RL_GAIN, MAX_KL = 0.25, 0.15, 0.2
+BC_LIFT, RL_GAIN = 0.25, 0.15
 
 
 @pytest.mark.slow
 def test_smollm2_grpo_from_bc_gains_greedy_success_on_babyai(tmp_path):
   """experiments/smollm2/babyai.py's BC stage, then its RL stage (Dr.GRPO, 24 steps; in the
-  study BC's 8 steps took about 5 minutes and the 24 RL steps 83 minutes of a quiet 2-core
+  study BC's 8 steps took about 5 minutes and the 24 RL steps 40-80 minutes of a quiet 2-core
   machine): BC teaches SmolLM2 the action format, and RL from it gains greedy held-out
   success (see the margins above)."""
   from experiments.smollm2 import babyai  # pylint: disable=import-outside-toplevel
@@ -212,7 +211,8 @@ def test_smollm2_grpo_from_bc_gains_greedy_success_on_babyai(tmp_path):
     result = run_cli("agentgym_jax.train", [
         f"--config={CONFIG}:{args}", f"--workdir={workdir}",
         f"--config.eval.num_tasks={EVAL_TASKS}",
-        *([f"--config.eval.every_steps={rl_steps}"] if "rl" in args else [])],
+        # BC evaluates its start here (zero-shot), which the study takes from stage=zero_shot.
+        *(["--config.eval.at_start=True"] if "bc" in args else [])],
         cache, timeout=4 * 3600)
     assert result.returncode == 0, result.stderr[-3000:]
   zero_shot, after_bc = [m["eval/success_rate"] for m in metrics(bc) if "eval/success_rate" in m]
@@ -224,5 +224,4 @@ def test_smollm2_grpo_from_bc_gains_greedy_success_on_babyai(tmp_path):
   assert zero_shot == 0.0
   assert after_bc >= zero_shot + BC_LIFT
   assert after_rl >= after_bc + RL_GAIN
-  kls = [m["actor/kl"] for m in rl_metrics if "actor/kl" in m]
-  assert len(kls) == rl_steps and max(kls) < MAX_KL
+  assert len(rl_metrics) == rl_steps

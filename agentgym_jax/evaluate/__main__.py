@@ -89,9 +89,9 @@ def main(argv: Sequence[str]) -> None:
   check_policy_flags(_FLAGS["checkpoint"].value, _FLAGS["hf_model"].value)
   freed_memory.return_freed_memory()
   cli.use_compilation_cache(config.compile.cache_dir)
-  if config.compile.max_programs:  # as the trainer: dropped between turns past that many
-    freed_memory.set_program_budget(freed_memory.ProgramBudget(
-        config.compile.max_programs, caches.CompileCounter().built))
+  # As the trainer: programs dropped between turns past compile.max_resident_gib resident.
+  freed_memory.set_program_budget(freed_memory.budget_of(
+      config.compile.max_resident_gib, caches.CompileCounter().built))
   multihost.maybe_initialize_distributed()
   output = _FLAGS["output"].value
   writer = jax.process_index() == 0

@@ -16,7 +16,7 @@ Both run the model's own cached forward (`Decoder.extend`) on its `models.KVCach
 sampler adds sampling and stopping, no attention or cache code of its own.
 
 Static shapes: the caller splits chunks into bucketed lengths T (`chunk_pieces`) and the cache
-length (`cache_bucket`: 256, 384, 512, 768, ..., `KVCache.grow` pads the cache to the next
+length (`cache_bucket`: 256, 512, 1024, ..., `KVCache.grow` pads the cache to the next
 one when the rows need it; a cache allocated at the context limit is bounded to that bucket
 instead, `KVCache.with_live`), so a run compiles each program a handful of times. Decoding a
 small model is bound by reading the cache: rows holding 300 tokens should not read a 4096-slot
@@ -56,7 +56,6 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from agentgym_jax.models import KVCache
-from agentgym_jax.rollout.trajectory import bucket_length
 
 _NEG_INF = -1e30
 
@@ -93,40 +92,49 @@ class SamplingConfig:
     return self.temperature == 0.0 or self.top_k == 1
 
 
-# Shortest extend chunk: a chunk of n tokens is padded to bucket_length(n, _MIN_CHUNK).
+# Extend widths: 16 * 4^k (16, 64, 256, ...), and the call's cap itself when it is not one.
 _MIN_CHUNK = 16
 
 
-def chunk_pieces(n: int, max_piece: int = 512, max_padding: int = 16) -> list[tuple[int, int]]:
+def chunk_pieces(n: int, max_piece: int = 512) -> list[tuple[int, int]]:
   """How to append `n` tokens in extend calls: (tokens, width) per call.
 
-  Widths come from `trajectory.bucket_length` (16, 24, 32, 48, 64, 96, ...), so a run compiles
-  extend for few distinct lengths. One call when its bucket pads at most `max_padding` tokens;
-  otherwise the largest bucket that fits goes first and the rest follows (67 tokens: 64 + 16
-  instead of 96, a sixth less attention work for one more call). No call takes more than
-  `max_piece` tokens.
+  Widths are 16 * 4^k below `max_piece`, and `max_piece`: each call takes the widest that its
+  remaining tokens fill, and only the last (fewer than 16 tokens) is padded, to 16. A run then
+  compiles extend for three or four widths per cache length (67 tokens: 64 + 3 padded to 16;
+  a 1.5x ladder of widths compiled eleven, each a program of the whole model held in memory,
+  freed_memory.py), and an extra call costs little next to the padding it saves: a call's
+  work is its width's, and reading the weights once more is cheap beside it.
   """
+  if max_piece < _MIN_CHUNK:
+    raise ValueError(f"chunk_pieces: max_piece must be >= {_MIN_CHUNK}, got {max_piece}.")
+  widths = [max_piece]
+  while widths[-1] > _MIN_CHUNK:
+    below = _MIN_CHUNK
+    while below * 4 < widths[-1]:
+      below *= 4
+    widths.append(below)
   pieces = []
   while n > 0:
-    take = min(n, max_piece)
-    width = bucket_length(take, _MIN_CHUNK)
-    if width - take > max_padding:
-      # The largest bucket <= take (take > max_padding >= 16 here): 2^k or 3 * 2^(k-1).
-      power = 1 << (take.bit_length() - 1)
-      width = take = power * 3 // 2 if power * 3 // 2 <= take else power
+    width = next((w for w in widths if w <= n), _MIN_CHUNK)
+    take = min(n, width)
     pieces.append((take, width))
     n -= take
   return pieces
 
 
 def cache_bucket(n: int, max_len: int, minimum: int = 256) -> int:
-  """Static cache length holding `n` tokens: `trajectory.bucket_length` from `minimum` (256,
-  384, 512, 768, 1024, ...), capped at `max_len` (the context limit).
+  """Static cache length holding `n` tokens: a power of two from `minimum` (256, 512, 1024,
+  ...), capped at `max_len` (the context limit).
 
-  Steps of 1.5x rather than 2x: decode steps read every slot of the bucket, and rows between
-  two powers of two read a third less for a few more compilations.
+  Steps of 2x: each cache length is another program of every extend width and of decode, each
+  holding a whole model's code in memory; decode steps then read at most twice the slots the
+  rows fill.
   """
-  return min(bucket_length(max(n, 1), minimum), max_len)
+  size = minimum
+  while size < n:
+    size *= 2
+  return min(size, max_len)
 
 
 def filter_logits(logits: jax.Array, sampling: SamplingConfig) -> jax.Array:

@@ -366,13 +366,13 @@ def base_config() -> ml_collections.ConfigDict:
   # Default: $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/agentgym_jax/jax_compile (under
   # $XDG_CACHE_HOME if set). Read by the command lines at start, not by `loop.train`.
   c.compile.cache_dir = caches.default_compilation_cache_dir()
-  # Programs built (compiled or loaded) since the last release after which the trainer drops
-  # them all (agentgym_jax/freed_memory.py `ProgramBudget`), at its safe points: between a
-  # step's batch and its update, and between the turns of a rollout or an evaluation; what runs
-  # next is reloaded from the compilation cache. On CPU each of a real model's executables
-  # holds tens of MiB of host memory. 0 keeps every program (the default: on accelerators their
-  # host memory is small and a reload costs more). Synchronous runs only.
-  c.compile.max_programs = 0
+  # Resident memory (GiB) past which the trainer drops every program it holds
+  # (agentgym_jax/freed_memory.py `ProgramBudget`) at its safe points: between a step's batch
+  # and its update, and between the turns of a rollout or an evaluation; what runs next is
+  # reloaded from the compilation cache. On CPU each of a real model's executables holds tens
+  # of MiB of host memory. 0 keeps every program (the default: on accelerators their host
+  # memory is small and a reload costs more). Synchronous runs only.
+  c.compile.max_resident_gib = 0.0
 
   # ----- mesh --------------------------------------------------------------------------------
   # (axis, size) pairs; one size may be -1 ("the remaining devices"). Rows of the batch are
@@ -477,6 +477,9 @@ def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if config.model.layer_loop not in LAYER_LOOPS:
     raise ValueError(f"model.layer_loop {config.model.layer_loop!r} is not one of "
                      f"{LAYER_LOOPS}.")
+  if config.compile.max_resident_gib < 0:
+    raise ValueError(f"compile.max_resident_gib must be >= 0 (0 keeps every program), got "
+                     f"{config.compile.max_resident_gib}.")
   if unknown:
     raise ValueError(f"Config fields the trainer does not know (misspelt?): {unknown}. "
                      "Every field is defined, with its meaning, in "

@@ -218,13 +218,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   stopped = ""  # why the run stopped before total_steps: "preempted" or "failing"
   failing_steps = 0  # consecutive steps with more than env.max_failed_fraction failed
   run_start = time.perf_counter()
-  # Programs hold host memory (freed_memory.py): past compile.max_programs built since the last
-  # release, they are dropped at the safe points (between a step's batch and its update, and
-  # between a rollout's turns, evaluations' included). An asynchronous run's rollout thread may
-  # trace at any time, so only the synchronous loop drops them.
+  # Programs hold host memory (freed_memory.py): past compile.max_resident_gib resident, they
+  # are dropped at the safe points (between a step's batch and its update, and between a
+  # rollout's turns, evaluations' included). An asynchronous run's rollout thread may trace at
+  # any time, so only the synchronous loop drops them.
   freed_memory.set_program_budget(
-      freed_memory.ProgramBudget(config.compile.max_programs, compiles.built)
-      if config.compile.max_programs and not rollouts else None)
+      None if rollouts else freed_memory.budget_of(config.compile.max_resident_gib,
+                                                   compiles.built))
   if start_step == 0 and config.eval.every_steps > 0 and config.eval.at_start:
     # The starting point's held-out score: the "before" of the run's before/after line.
     initial = run_eval(0)

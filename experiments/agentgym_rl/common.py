@@ -299,13 +299,12 @@ def smollm2_on_cpu(c: ml_collections.ConfigDict) -> None:
   # blockwise there (no [T, T] scores), so the update's memory grows linearly with the row
   # (benchmarks/README.md, Memory). The opening takes 430-510 tokens.
   c.model.remat = True
-  # Each XLA:CPU program of the model holds ~40 MiB of host memory while JAX keeps it, a step's
-  # rollout uses ~50 and a held-out evaluation of 48 tasks ~100: past 16 built since the last
-  # release they are dropped (between the batch and the update, and between a rollout's turns)
-  # and reloaded from the compilation cache when next needed (agentgym_jax/freed_memory.py).
-  # The main job's RL stage peaks at 5.6 GiB with 16 and 7.2 with 64, at 6-10 s of reloads a
-  # step (benchmarks/README.md, Memory).
-  c.compile.max_programs = 16
+  # Each XLA:CPU program of the model holds ~40 MiB of host memory while JAX keeps it; a run
+  # needs a few dozen (extend widths x cache lengths, decode, one update per row length). Past
+  # 4.5 GiB resident at a safe point they are dropped (between the batch and the update, and
+  # between a rollout's turns) and reloaded from the compilation cache when next needed
+  # (agentgym_jax/freed_memory.py): the update's ~1.3 GiB of temporaries then start below it.
+  c.compile.max_resident_gib = 4.5
   c.rollout.max_context = 2048
   # Upstream's 1e-6 is tuned for 3B/7B models; a 135M model moves little in a short run at it.
   c.optim.lr = 1e-5
