@@ -24,8 +24,9 @@ and loads its program from the persistent compilation cache (agentgym_jax/caches
 of compiling it, which costs about half a second a program of that model. A `ProgramBudget`
 does so when the process's resident memory has passed `compile.max_resident_gib` at a safe
 point that asks it (`release_if_over_budget`): between a step's batch and its update, so that
-the update's temporaries start below the budget, and between the turns of a rollout, so that a
-held-out evaluation's programs do not pile up. A budget in bytes rather than programs keeps
+the update's temporaries start below the budget; before a checkpoint is written, which copies
+the train state to the host; and between the turns of a rollout, so that a held-out
+evaluation's programs do not pile up. A budget in bytes rather than programs keeps
 every program while memory allows (a run whose shapes repeat then loads nothing after its
 first steps) and drops them only when they would push the next peak too high.
 """

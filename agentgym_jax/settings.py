@@ -122,7 +122,7 @@ def rollout(config: ml_collections.ConfigDict) -> RolloutSettings:
       group_size=config.data.group_size, max_turns=schedule(config).horizons[0],
       max_context=c.max_context, system_prompt=config.env.system_prompt or None,
       replicas=c.replicas, history_turns=c.history_turns, overlap_env=c.overlap_env,
-      invalid_action_reward=config.env.invalid_action_reward)
+      invalid_action_reward=config.env.invalid_action_reward, compact=c.compact)
 
 
 def expert(config: ml_collections.ConfigDict) -> ExpertSettings:

@@ -20,6 +20,7 @@ def test_rollout_settings_map_every_field():
   config.rollout.max_reply_tokens, config.rollout.max_context = 33, 1234
   config.rollout.replicas, config.rollout.history_turns = 3, 5
   config.rollout.overlap_env = True
+  config.rollout.compact = False
   config.data.group_size = 6
   config.env.system_prompt, config.env.invalid_action_reward = "Be brief.", -0.25
   config.schedule.kind, config.schedule.horizons = "scaling_inter", (7, 11)
@@ -27,14 +28,13 @@ def test_rollout_settings_map_every_field():
   assert rollout == RolloutSettings(
       sampling=SamplingConfig(temperature=0.7, top_p=0.9, top_k=40, max_reply_tokens=33),
       group_size=6, max_turns=7, max_context=1234, system_prompt="Be brief.", replicas=3,
-      history_turns=5, overlap_env=True, invalid_action_reward=-0.25)
+      history_turns=5, overlap_env=True, invalid_action_reward=-0.25, compact=False)
   # Only what the config does not set keeps its default; an empty system prompt is None.
   config.env.system_prompt = ""
   assert settings.rollout(config).system_prompt is None
   defaults = RolloutSettings()
-  assert (rollout.acknowledgement, rollout.max_chunk, rollout.compact,
-          rollout.grow_cache) == (defaults.acknowledgement, defaults.max_chunk,
-                                  defaults.compact, defaults.grow_cache)
+  assert (rollout.acknowledgement, rollout.max_chunk, rollout.grow_cache) == (
+      defaults.acknowledgement, defaults.max_chunk, defaults.grow_cache)
 
 
 def test_env_settings_map_every_field_and_each_mixture_member_its_own():

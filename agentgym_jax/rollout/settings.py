@@ -38,9 +38,9 @@ class RolloutSettings:
       (`info["acknowledgement"]`, else the pool's env class attribute, else AgentGym's).
     max_chunk: most tokens of a chunk appended in one extend call (longer ones are split).
     compact: shrink the batch when at most half the rows are still running.
-    grow_cache: start the KV cache small and grow it as rows need (a decode step reads the
-      whole cache); False allocates `max_context` slots at once (one cache length, so fewer
-      compilations, e.g. where compiling is slow).
+    grow_cache: start the KV cache small and grow it as rows need; False allocates
+      `max_context` slots at once (no copies as it grows). Either way attention reads only the
+      power-of-two bucket the rows fill (`sampler.cache_bucket`), one program per bucket.
   """
 
   sampling: SamplingConfig = SamplingConfig()

@@ -233,6 +233,10 @@ def base_config() -> ml_collections.ConfigDict:
   # turns, one decoding while the other's environments step (same samples as lock-step; for
   # slow environments: JVMs, browsers, remote servers).
   c.rollout.overlap_env = False
+  # Halve the rollout's batch when at most half its rows still run: less work for the rows
+  # left, but every row count is another program of each chunk width and cache length, which on
+  # CPU holds tens of MiB of a real model (compile.max_resident_gib).
+  c.rollout.compact = True
   # Asynchronous rollout (docs/async.md): k > 0 lets a rollout thread sample step i with the
   # weights of update i - k while the trainer updates, so neither waits for the other; needs
   # algo.tis_cap > 0 to correct for the lag. 0: the synchronous loop (sample, then update).
@@ -368,10 +372,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.compile.cache_dir = caches.default_compilation_cache_dir()
   # Resident memory (GiB) past which the trainer drops every program it holds
   # (agentgym_jax/freed_memory.py `ProgramBudget`) at its safe points: between a step's batch
-  # and its update, and between the turns of a rollout or an evaluation; what runs next is
-  # reloaded from the compilation cache. On CPU each of a real model's executables holds tens
-  # of MiB of host memory. 0 keeps every program (the default: on accelerators their host
-  # memory is small and a reload costs more). Synchronous runs only.
+  # and its update, before a checkpoint is written, and between the turns of a rollout or an
+  # evaluation; what runs next is reloaded from the compilation cache. On CPU each of a real
+  # model's executables holds tens of MiB of host memory. 0 keeps every program (the default:
+  # on accelerators their host memory is small and a reload costs more). Synchronous runs only.
   c.compile.max_resident_gib = 0.0
 
   # ----- mesh --------------------------------------------------------------------------------

@@ -219,9 +219,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   failing_steps = 0  # consecutive steps with more than env.max_failed_fraction failed
   run_start = time.perf_counter()
   # Programs hold host memory (freed_memory.py): past compile.max_resident_gib resident, they
-  # are dropped at the safe points (between a step's batch and its update, and between a
-  # rollout's turns, evaluations' included). An asynchronous run's rollout thread may trace at
-  # any time, so only the synchronous loop drops them.
+  # are dropped at the safe points (between a step's batch and its update, before a checkpoint
+  # is written, and between a rollout's turns, evaluations' included). An asynchronous run's
+  # rollout thread may trace at any time, so only the synchronous loop drops them.
   freed_memory.set_program_budget(
       None if rollouts else freed_memory.budget_of(config.compile.max_resident_gib,
                                                    compiles.built))
@@ -265,6 +265,8 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         stopped = "failing"
 
       if _due(done, config.checkpoint.every_steps, final) or stopped:
+        # Writing copies the train state to the host: the programs do not stay beside it.
+        freed_memory.release_if_over_budget()
         ckpt.save(done, state, meta_at(cursor))
         multihost.check_replicas_agree(share, state.policy, f"Step {done}")
       if saving and jax.process_index() == 0:

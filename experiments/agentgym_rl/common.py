@@ -301,9 +301,10 @@ def smollm2_on_cpu(c: ml_collections.ConfigDict) -> None:
   c.model.remat = True
   # Each XLA:CPU program of the model holds ~40 MiB of host memory while JAX keeps it; a run
   # needs a few dozen (extend widths x cache lengths, decode, one update per row length). Past
-  # 4.5 GiB resident at a safe point they are dropped (between the batch and the update, and
-  # between a rollout's turns) and reloaded from the compilation cache when next needed
-  # (agentgym_jax/freed_memory.py): the update's ~1.3 GiB of temporaries then start below it.
+  # 4.5 GiB resident at a safe point they are dropped (between the batch and the update, before
+  # a checkpoint is written, and between a rollout's turns) and reloaded from the compilation
+  # cache when next needed (agentgym_jax/freed_memory.py): the update's ~1.3 GiB of
+  # temporaries then start below it.
   c.compile.max_resident_gib = 4.5
   c.rollout.max_context = 2048
   # Upstream's 1e-6 is tuned for 3B/7B models; a 135M model moves little in a short run at it.
