@@ -285,6 +285,19 @@ def test_task_stream_is_a_deterministic_sequence_of_shuffled_epochs():
     data.TaskStream([], seed=0)
 
 
+def test_summary_line_names_the_first_and_last_evaluation_or_the_only_one(tmp_path):
+  def write(*records):
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in records)
+  write({"step": 0, "eval/success_rate": 0.25}, {"step": 1}, {"step": 2, "eval/success_rate": 0.5})
+  assert loop.summary_line(str(tmp_path), 90).startswith(
+      "Held-out success 0.250 at step 0 -> 0.500 at step 2 (2 steps, 1.5 min")
+  write({"step": 1}, {"step": 2, "eval/success_rate": 0.5})  # evaluated at the end only
+  assert loop.summary_line(str(tmp_path), 90).startswith("Held-out success 0.500 at step 2 (")
+  write({"step": 1})
+  assert loop.summary_line(str(tmp_path), 90).startswith("Done: 1 step, 1.5 min")
+
+
 def test_batch_layout_is_checked_before_anything_runs():
   c = base.base_config()
   c.data.batch_tasks, c.data.group_size = 3, 2

@@ -433,5 +433,7 @@ def summary_line(workdir: str, seconds: float) -> str:
   if not evals:
     return f"Done: {where}."
   (first_step, first), (last_step, final) = evals[0], evals[-1]
+  if len(evals) == 1:  # one evaluation (eval.at_start=False, evaluated at the end)
+    return f"Held-out success {final:.3f} at step {last_step} ({where})."
   return (f"Held-out success {first:.3f} at step {first_step} -> {final:.3f} at step "
           f"{last_step} ({where}).")
