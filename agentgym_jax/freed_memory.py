@@ -22,23 +22,34 @@ while JAX holds it (its kernels, not its arguments), and a run meets a new shape
 steps. `release_programs()` drops them all; the next call of each jitted function traces again
 and loads its program from the persistent compilation cache (agentgym_jax/caches.py) instead
 of compiling it, which costs about half a second a program of that model. A `ProgramBudget`
-does so when the process's resident memory has passed `compile.max_resident_gib` at a safe
-point that asks it (`release_if_over_budget`): between a step's batch and its update, so that
-the update's temporaries start below the budget; before a checkpoint is written, which copies
-the train state to the host; and between the turns of a rollout, so that a held-out
-evaluation's programs do not pile up. A budget in bytes rather than programs keeps
-every program while memory allows (a run whose shapes repeat then loads nothing after its
-first steps) and drops them only when they would push the next peak too high.
+holds the process to `compile.max_resident_gib` of resident memory at its peaks. It drops the
+programs at a safe point (no traced function running) that asks it:
+
+- before a heavy phase (`ahead_of`: the update, which adds its temporaries and gradients; the
+  scoring of a step's rows by the reference or the critic; a checkpoint's write, which copies
+  the train state to the host), when what the process holds
+  plus the largest rise that phase has shown in this run would pass the budget (a phase not yet
+  seen: whenever programs were built since the last drop). Each run of the phase measures its
+  rise as its peak over its start: the kernel's high-water mark (VmHWM, reset before the phase
+  through /proc/self/clear_refs; so a budgeted process's own `getrusage` peak is its last
+  phase's, and its peak over a run is measured from outside: benchmarks/sample_rss.py);
+- between the turns of a rollout (`release_if_over_budget`), when the process holds more than
+  the budget, so that a held-out evaluation's programs do not pile up.
+
+A budget in bytes rather than programs keeps every program while memory allows (a run whose
+shapes repeat then loads nothing after its first steps) and drops them only when they would
+push the next peak too high.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import logging
 import os
 import platform
-from typing import Callable
+from typing import Callable, Iterator
 
 # mallopt's parameter numbers (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -73,41 +84,69 @@ def release_programs() -> None:
     ctypes.CDLL(None).malloc_trim(0)
 
 
-def resident_bytes() -> int | None:
-  """This process's resident memory (VmRSS of /proc/self/status); None where there is none."""
+def _status_bytes(field: str) -> int | None:
   try:
     with open("/proc/self/status", encoding="ascii") as status:
       for line in status:
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
           return int(line.split()[1]) * 1024
   except OSError:
     pass
   return None
 
 
+def resident_bytes() -> int | None:
+  """This process's resident memory (VmRSS of /proc/self/status); None where there is none."""
+  return _status_bytes("VmRSS")
+
+
+def high_water_bytes() -> int | None:
+  """This process's peak resident memory since its start or the last `reset_high_water`
+  (VmHWM); None where there is none."""
+  return _status_bytes("VmHWM")
+
+
+def reset_high_water() -> bool:
+  """Resets the high-water mark to the current resident memory (Linux: "5" to
+  /proc/self/clear_refs); False where the kernel does not allow it."""
+  try:
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as refs:
+      refs.write("5")
+    return True
+  except OSError:
+    return False
+
+
 class ProgramBudget:
   """Drops every program (`release_programs`) when the process holds more than
-  `max_resident_bytes` and has built programs since the last drop, when asked at a point where
-  no traced function is running (`check`).
+  `max_resident_bytes`, or would during the phase it is asked before (`ahead_of`), and has built
+  programs since the last drop; asked at points where no traced function is running.
 
   `built` counts the executables the process has built so far (`caches.CompileCounter.built`);
-  `resident` reads the process's resident bytes (`resident_bytes`; None: never over).
+  `resident` reads the process's resident bytes (`resident_bytes`; None: never over);
+  `high_water` resets and reads its peak (`reset_high_water`, `high_water_bytes`).
   """
 
   def __init__(self, max_resident_bytes: int, built: Callable[[], int],
-               resident: Callable[[], int | None] = resident_bytes):
+               resident: Callable[[], int | None] = resident_bytes,
+               high_water: tuple[Callable[[], bool], Callable[[], int | None]] = (
+                   reset_high_water, high_water_bytes)):
     if max_resident_bytes <= 0:
       raise ValueError(f"ProgramBudget: max_resident_bytes must be > 0, got "
                        f"{max_resident_bytes}; compile.max_resident_gib=0 keeps every program.")
     self.max_resident_bytes, self._built, self._resident = max_resident_bytes, built, resident
+    self._reset_high_water, self._high_water = high_water
     self._released_at = built()
     self.releases = 0
+    self.rises: dict[str, int] = {}  # phase -> the largest rise measured over its start
     self._warned = False
 
-  def check(self) -> bool:
-    """Releases when over budget; True when it did."""
+  def check(self, rise: int = 0) -> bool:
+    """Releases when the resident memory plus `rise` (bytes the next phase will add) is over
+    budget; True when it did."""
     held = self._resident()
-    if held is None or held <= self.max_resident_bytes or self._built() == self._released_at:
+    if (held is None or held + rise <= self.max_resident_bytes
+        or self._built() == self._released_at):
       return False
     release_programs()
     self._released_at = self._built()
@@ -120,6 +159,19 @@ class ProgramBudget:
           "(%.2f GiB): every safe point now reloads its programs; raise it or set 0.",
           self.max_resident_bytes / 2**30, after / 2**30)
     return True
+
+  @contextlib.contextmanager
+  def ahead_of(self, phase: str) -> Iterator[None]:
+    """A safe point before `phase` runs in the block: releases when what the process holds plus
+    the largest rise `phase` has shown would pass the budget (a phase not yet measured: when
+    programs were built since the last drop), then measures this run's rise."""
+    self.check(self.rises.get(phase, self.max_resident_bytes))
+    start = self._resident()
+    measured = start is not None and self._reset_high_water()
+    yield
+    peak = self._high_water() if measured else None
+    if peak is not None:
+      self.rises[phase] = max(self.rises.get(phase, 0), peak - start)
 
 
 def budget_of(max_resident_gib: float, built: Callable[[], int]) -> ProgramBudget | None:
@@ -143,3 +195,8 @@ def release_if_over_budget() -> None:
   """A safe point (no traced function running): drops the programs if the budget says so."""
   if _budget is not None:
     _budget.check()
+
+
+def ahead_of(phase: str) -> contextlib.AbstractContextManager[None]:
+  """The budget's `ProgramBudget.ahead_of(phase)` (no budget: nothing)."""
+  return _budget.ahead_of(phase) if _budget is not None else contextlib.nullcontext()

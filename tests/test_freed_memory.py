@@ -113,3 +113,59 @@ def test_a_program_budget_releases_past_its_resident_bytes_when_programs_were_bu
 def test_resident_bytes_reads_this_process():
   held = freed_memory.resident_bytes()
   assert held is None or 10 * 2**20 < held < 64 * 2**30
+
+
+def test_ahead_of_a_phase_releases_by_the_rise_it_measured(monkeypatch):
+  built, held, peak, resets = [0], [40], [0], []
+  releases = []
+
+  def release():
+    releases.append(built[0])
+    held[0] -= 20
+
+  def reset():
+    resets.append(held[0])
+    peak[0] = held[0]
+    return True
+
+  monkeypatch.setattr(freed_memory, "release_programs", release)
+  budget = freed_memory.ProgramBudget(100, lambda: built[0], resident=lambda: held[0],
+                                      high_water=(reset, lambda: peak[0]))
+  built[0] = 1
+  # A phase not seen yet: released whenever programs were built since the last drop.
+  with budget.ahead_of("update"):
+    peak[0] += 30  # the update's temporaries, gone at its end
+  assert releases == [1] and budget.rises == {"update": 30} and resets == [20]
+  built[0], held[0] = 2, 60
+  with budget.ahead_of("update"):  # 60 held + 30 of rise: within 100
+    peak[0] += 25
+  assert releases == [1] and budget.rises == {"update": 30}  # the largest rise is kept
+  held[0] = 75
+  with budget.ahead_of("update"):  # 75 + 30 would pass 100
+    pass
+  assert releases == [1, 2] and held[0] == 55
+  # Where the high-water mark cannot be reset, no rise is measured.
+  built[0] = 3
+  blind = freed_memory.ProgramBudget(100, lambda: built[0], resident=lambda: held[0],
+                                     high_water=(lambda: False, lambda: 10**9))
+  built[0] = 4
+  with blind.ahead_of("checkpoint"):
+    pass
+  assert blind.rises == {} and releases == [1, 2, 4]
+  # With no budget set the module's safe point does nothing.
+  built[0] = 5
+  with freed_memory.ahead_of("update"):
+    pass
+  assert releases == [1, 2, 4]
+
+
+def test_high_water_mark_rises_with_a_buffer_and_resets():
+  import numpy as np
+  if not freed_memory.reset_high_water():
+    pytest.skip("this kernel does not let a process reset its high-water mark")
+  start = freed_memory.resident_bytes()
+  buffer = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+  del buffer
+  assert freed_memory.high_water_bytes() >= start + 60 * 2**20
+  assert freed_memory.reset_high_water()
+  assert freed_memory.high_water_bytes() < start + 32 * 2**20

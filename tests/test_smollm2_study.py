@@ -37,7 +37,7 @@ def test_study_configs_build_and_lock(env, arg):
   if "stage=rl" in arg:
     assert c.init_from == "/tmp/bc" and c.mode == "rl"
     assert c.algo.estimator == ("gae" if "algo=ppo" in arg else "drgrpo")  # grpo: Dr.GRPO
-    assert c.algo.clip_high == 0.28 and c.algo.kl_coef == 0  # no reference to score
+    assert c.algo.clip_high == 0.28 and c.algo.kl_coef > 0
     assert c.optim.critic_lr == 10 * c.optim.lr  # the paper's ratio; used by algo=ppo
   if "stage=bc" in arg:
     assert c.mode == "bc" and c.bc.num_tasks > 0
@@ -188,13 +188,13 @@ def test_smollm2_horizon_study_runlocal_bc_then_evidence(tmp_path):
 # The study's starting recipe and RL stage, as committed: BC, then Dr.GRPO for the config's 24
 # steps (rollouts at temperature 0.7), greedy held-out on the first EVAL_TASKS test tasks,
 # evaluated once at the end. On these 16 tasks the study's runs (README.md, 2026-12-05, run 5:
-# this recipe with a KL penalty of 0.001, since dropped) printed zero-shot 0/16, BC 6/16 and
-# after the 24 RL steps 12/16 (+37.5 points; +16.7 on the 48 tasks of the study). The margins:
+# this recipe) printed zero-shot 0/16, BC 6/16 and after the 24 RL steps 12/16 (+37.5 points;
+# +16.7 on the 48 tasks of the study), with the KL to BC at most 0.085 per token. The margins:
 # BC lifts zero-shot by BC_LIFT, RL lifts BC by RL_GAIN (the goal, +15 points of greedy
-# held-out success). They hold for the config's seed 0, which the test runs: with seed=1
-# (run 6) the same RL stage ended at 7/16 (+1 task), which fails RL_GAIN.
+# held-out success), at a KL to BC below MAX_KL. They hold for the config's seed 0, which the
+# test runs: with seed=1 (run 6) the same RL stage ended at 7/16 (+1 task), which fails RL_GAIN.
 EVAL_TASKS = 16
-BC_LIFT, RL_GAIN = 0.25, 0.15
+BC_LIFT, RL_GAIN, MAX_KL = 0.25, 0.15, 0.2
 
 
 @pytest.mark.slow
@@ -224,4 +224,5 @@ def test_smollm2_grpo_from_bc_gains_greedy_success_on_babyai(tmp_path):
   assert zero_shot == 0.0
   assert after_bc >= zero_shot + BC_LIFT
   assert after_rl >= after_bc + RL_GAIN
-  assert len(rl_metrics) == rl_steps
+  kls = [m["actor/kl"] for m in rl_metrics if "actor/kl" in m]
+  assert len(kls) == rl_steps and max(kls) < MAX_KL

@@ -25,5 +25,5 @@ from agentgym_jax.evaluate.evaluation import (EvalResult, EvalSettings, environm
 from agentgym_jax.evaluate.report import checkpoint_label, failed_line, result_line, write_report
 
 __all__ = ["EvalResult", "EvalSettings", "PAPER_COLUMNS", "checkpoint_label",
-           "environment_metrics", "eval_key", "eval_metrics", "evaluate", "failed_line", "paper_column", "result_line",
-           "write_report"]
+           "environment_metrics", "eval_key", "eval_metrics", "evaluate", "failed_line",
+           "paper_column", "result_line", "write_report"]

@@ -232,9 +232,10 @@ def remat_after_cotangent(layer):
   no data dependency on the backward, and XLA:CPU, which drops `lax.optimization_barrier`,
   merges it with the forward's identical computation (CSE) or runs it early, so every block's
   activations stay live (no saving at all, benchmarks/README.md, Memory). Here the
-  recomputation reads its inputs through `attention.after(cotangent)`, and the input's gradient
-  comes out through `attention.after(the parameters' gradients)`: each block's backward, recomputation
-  included, runs whole between its neighbours', holding one block's activations. In a scan
+  recomputation reads its inputs through `attention.after(cotangent)`, and the input's
+  gradient comes out through `attention.after(the parameters' gradients)`: each block's
+  backward, recomputation included, runs whole between its neighbours', holding one block's
+  activations. In a scan
   the loop already orders the blocks, and `nnx.remat` does (`Backbone.__call__`).
   """
   def apply(block, x):
@@ -348,8 +349,8 @@ class Backbone(nnx.Module):
       ks.append(k_buf)
       vs.append(v_buf)
     lengths = starts + num_new.astype(jnp.int32)
-    return self.final_norm(x, self.cfg.lora_rank > 0), KVCache(k=tuple(ks), v=tuple(vs), lengths=lengths,
-                                       live=cache.live)
+    cache = KVCache(k=tuple(ks), v=tuple(vs), lengths=lengths, live=cache.live)
+    return self.final_norm(x, self.cfg.lora_rank > 0), cache
 
 
 class Decoder(nnx.Module):

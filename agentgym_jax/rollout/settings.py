@@ -2,9 +2,9 @@
 
 Training, evaluation and replay all sample through `run_episodes(policy, tok, pool, task_ids,
 settings, rng=...)`; each gets its settings from the config's one door
-(agentgym_jax/settings.py:rollout) and changes what differs for it with `dataclasses.replace` (the trainer: the turn limit of the
-step's ScalingInter phase; evaluation: its temperature, reply cap, samples per task and turn
-limit), so a replay samples exactly as the run did and an evaluation as the run's rollouts do
+(agentgym_jax/settings.py:rollout) and changes what differs for it with `dataclasses.replace`
+(the trainer: the turn limit of the step's ScalingInter phase; evaluation: its temperature,
+reply cap, samples per task and turn limit), so a replay samples exactly as the run did and an evaluation as the run's rollouts do
 in everything it does not set itself.
 """
 

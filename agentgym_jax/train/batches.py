@@ -28,7 +28,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from agentgym_jax import multihost
+from agentgym_jax import freed_memory, multihost
 from agentgym_jax import sharding as sharding_lib
 from agentgym_jax.rl import advantages as advantages_lib, algorithm
 from agentgym_jax.rl import dynamic_sampling, overlong as overlong_lib
@@ -233,8 +233,9 @@ class Sampled:
   draws; version: the policy version that sampled it (updates completed by those weights,
   `state.step`); traj/episodes: the episodes (`Trajectory` [B, L], device or host arrays, and
   their records); task_ids/key/max_turns: the first round's tasks, sampler key and turn
-  limit (a replay regenerates round 1 only); drawn: rounds of tasks drawn (dynamic sampling); devices: the rollout mesh's
-  device count; metrics: dynamic sampling's and the rollout's throughput and `time/rollout`.
+  limit (a replay regenerates round 1 only); drawn: rounds of tasks drawn (dynamic sampling);
+  devices: the rollout mesh's device count; metrics: dynamic sampling's and the rollout's
+  throughput and `time/rollout`.
   """
 
   step: int
@@ -322,7 +323,9 @@ def scored_batch(inputs: StepInputs, state: state_lib.TrainState, sampled: Sampl
   ) if saving and on_policy and sampled.drawn == 1 else None
   rolled = time.perf_counter()
   rows = update_rows(inputs, sampled.traj)
-  scores = score(inputs, state, rows)
+  # The reference's and the critic's forwards: a peak of their own (compile.max_resident_gib).
+  with freed_memory.ahead_of("score"):
+    scores = jax.block_until_ready(score(inputs, state, rows))
   scored = time.perf_counter()
   estimated = advantages(inputs, rows, scores)
   advantaged = time.perf_counter()

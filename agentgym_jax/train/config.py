@@ -370,12 +370,13 @@ def base_config() -> ml_collections.ConfigDict:
   # Default: $JAX_COMPILATION_CACHE_DIR if set, else ~/.cache/agentgym_jax/jax_compile (under
   # $XDG_CACHE_HOME if set). Read by the command lines at start, not by `loop.train`.
   c.compile.cache_dir = caches.default_compilation_cache_dir()
-  # Resident memory (GiB) past which the trainer drops every program it holds
-  # (agentgym_jax/freed_memory.py `ProgramBudget`) at its safe points: between a step's batch
-  # and its update, before a checkpoint is written, and between the turns of a rollout or an
-  # evaluation; what runs next is reloaded from the compilation cache. On CPU each of a real
-  # model's executables holds tens of MiB of host memory. 0 keeps every program (the default:
-  # on accelerators their host memory is small and a reload costs more). Synchronous runs only.
+  # Resident memory (GiB) that the trainer keeps its peaks under by dropping every program it
+  # holds (agentgym_jax/freed_memory.py `ProgramBudget`) at its safe points: before the update,
+  # the scoring and a checkpoint's write when what it holds plus the rise that phase has shown
+  # would pass it, and between the turns of a rollout or an evaluation when it holds more; what runs
+  # next is reloaded from the compilation cache. On CPU each of a real model's executables
+  # holds tens of MiB of host memory. 0 keeps every program (the default: on accelerators their
+  # host memory is small and a reload costs more). Synchronous runs only.
   c.compile.max_resident_gib = 0.0
 
   # ----- mesh --------------------------------------------------------------------------------

@@ -218,10 +218,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   stopped = ""  # why the run stopped before total_steps: "preempted" or "failing"
   failing_steps = 0  # consecutive steps with more than env.max_failed_fraction failed
   run_start = time.perf_counter()
-  # Programs hold host memory (freed_memory.py): past compile.max_resident_gib resident, they
-  # are dropped at the safe points (between a step's batch and its update, before a checkpoint
-  # is written, and between a rollout's turns, evaluations' included). An asynchronous run's
-  # rollout thread may trace at any time, so only the synchronous loop drops them.
+  # Programs hold host memory (freed_memory.py): to keep the peaks under
+  # compile.max_resident_gib they are dropped at the safe points (before the scoring, the
+  # update and a checkpoint's write, by the rise each has shown; between a rollout's turns, evaluations'
+  # included). An asynchronous run's rollout thread may trace at any time, so only the
+  # synchronous loop drops them.
   freed_memory.set_program_budget(
       None if rollouts else freed_memory.budget_of(config.compile.max_resident_gib,
                                                    compiles.built))
@@ -246,14 +247,14 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       # The run's last step: total_steps', or the first to reach the token budget.
       final = done == config.total_steps or _budget_spent(config, tokens)
       horizon = schedule.advance(turn_limits, horizon, step, got.metrics)
-      # Between the batch and the update: the rollout's programs are not held through the
-      # update's peak.
-      freed_memory.release_if_over_budget()
       clock.append(time.perf_counter())
-      state, update_metrics = update_step(state, got.batch)
-      if rollouts:
-        rollouts.publish(state)
-      update_metrics = jax.device_get(update_metrics)
+      # The rollout's programs are not held through the update's peak when both would pass
+      # the budget (compile.max_resident_gib).
+      with freed_memory.ahead_of("update"):
+        state, update_metrics = update_step(state, got.batch)
+        if rollouts:
+          rollouts.publish(state)
+        update_metrics = jax.device_get(update_metrics)
       clock.append(time.perf_counter())
 
       # Stop early? (the same answer on every process: a collective)
@@ -265,9 +266,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         stopped = "failing"
 
       if _due(done, config.checkpoint.every_steps, final) or stopped:
-        # Writing copies the train state to the host: the programs do not stay beside it.
-        freed_memory.release_if_over_budget()
-        ckpt.save(done, state, meta_at(cursor))
+        # Writing copies the train state to the host.
+        with freed_memory.ahead_of("checkpoint"):
+          ckpt.save(done, state, meta_at(cursor))
         multihost.check_replicas_agree(share, state.policy, f"Step {done}")
       if saving and jax.process_index() == 0:
         trajectories.save_step(workdir, done, got.host, got.episodes, tok.decode,

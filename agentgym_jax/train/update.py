@@ -597,8 +597,8 @@ def make_update_step(policy_def: nnx.GraphDef, critic_def: nnx.GraphDef | None,
   tokens, valid, loss_mask, advantages; old_logprobs, or rollout_logprobs when the update's
   forward gives them (`AlgorithmSpec.old_logprobs_from_update`); ref_logprobs when the KL term
   is in the loss; returns, old_values with a critic; seq_tokens [R] with per-turn rows;
-  scored_positions [R, P] when the LM head scores only the agent tokens (`Batch`). Rows are either layout: one packed row per episode, or one row per turn
-  (rollout/window.py).
+  scored_positions [R, P] when the LM head scores only the agent tokens (`Batch`). Rows are
+  either layout: one packed row per episode, or one row per turn (rollout/window.py).
 
   Metrics (means over the step's optimizer updates): actor/{loss, pg_loss, entropy,
   clip_frac, clip_frac_lower, approx_kl, grad_norm, lr, skipped}, actor/kl with the KL term in

@@ -300,12 +300,12 @@ def smollm2_on_cpu(c: ml_collections.ConfigDict) -> None:
   # (benchmarks/README.md, Memory). The opening takes 430-510 tokens.
   c.model.remat = True
   # Each XLA:CPU program of the model holds ~40 MiB of host memory while JAX keeps it; a run
-  # needs a few dozen (extend widths x cache lengths, decode, one update per row length). Past
-  # 4.5 GiB resident at a safe point they are dropped (between the batch and the update, before
-  # a checkpoint is written, and between a rollout's turns) and reloaded from the compilation
-  # cache when next needed (agentgym_jax/freed_memory.py): the update's ~1.3 GiB of
-  # temporaries then start below it.
-  c.compile.max_resident_gib = 4.5
+  # needs a few dozen (extend widths x cache lengths, decode, one update per row length). The
+  # trainer drops them at a safe point when they would take its peak past 5.5 GiB (before the
+  # update, whose temporaries and gradients add ~2.2 GiB for the main job's packed rows; before
+  # the reference's scoring and a checkpoint's write; between a rollout's turns) and reloads them from the compilation
+  # cache when next needed (agentgym_jax/freed_memory.py).
+  c.compile.max_resident_gib = 5.5
   c.rollout.max_context = 2048
   # Upstream's 1e-6 is tuned for 3B/7B models; a 135M model moves little in a short run at it.
   c.optim.lr = 1e-5

@@ -108,11 +108,11 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     c.algo.clip_high = 0.28
     # Every episode weighs the same, whatever its length (the tiny study's choice).
     c.algo.loss_agg_mode = "seq-mean-token-mean"
-    # No KL penalty, as DAPO and Dr.GRPO: at the base's 0.001 its gradient was a rounding error
-    # beside the policy gradient's (the KL to BC stayed under 0.2 per token, README.md), and
-    # the reference it needs costs a forward of every step's rows and a copy of the weights
-    # (~15 s a step and 0.5 GiB). The clip and the small step keep the policy near BC.
-    c.algo.kl_coef = 0.0
+    # kl_coef stays the base's 0.001 (low_var_kl): the reference is kept, so actor/kl logs the
+    # KL to the starting checkpoint every step. Without it (DAPO's and Dr.GRPO's choice; no
+    # reference forward, ~15 s a step and 0.5 GiB less) seed 0 sampled run 5's episodes for 6
+    # steps, then others, and ended at BC's 0.542 where run 5 reached 0.708 (README.md, session
+    # 14): one draw a side, so the recipe keeps the KL term that its gains were measured with.
     # A small step: one update at the tiny study's 3e-4 from a fresh AdamW flips a policy, and
     # at 2e-5 the first update cost KL 0.035 per token to the BC checkpoint and 10 greedy
     # points (README.md, run 1): half of it, smollm2_on_cpu's 1e-5 (Adam's first steps move
