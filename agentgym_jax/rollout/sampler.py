@@ -108,12 +108,10 @@ def chunk_pieces(n: int, max_piece: int = 512) -> list[tuple[int, int]]:
   """
   if max_piece < _MIN_CHUNK:
     raise ValueError(f"chunk_pieces: max_piece must be >= {_MIN_CHUNK}, got {max_piece}.")
-  widths = [max_piece]
-  while widths[-1] > _MIN_CHUNK:
-    below = _MIN_CHUNK
-    while below * 4 < widths[-1]:
-      below *= 4
-    widths.append(below)
+  ladder = [_MIN_CHUNK]  # 16 * 4^k below max_piece
+  while ladder[-1] * 4 < max_piece:
+    ladder.append(ladder[-1] * 4)
+  widths = [max_piece, *reversed(ladder)]  # widest first
   pieces = []
   while n > 0:
     width = next((w for w in widths if w <= n), _MIN_CHUNK)
