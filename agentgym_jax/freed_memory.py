@@ -27,7 +27,8 @@ programs at a safe point (no traced function running) that asks it:
 
 - before a heavy phase (`ahead_of`: the update, which adds its temporaries and gradients; the
   scoring of a step's rows by the reference or the critic; a checkpoint's write, which copies
-  the train state to the host), when what the process holds
+  the train state to the host and, under a budget, is waited for inside the phase: written in
+  the background it added its copies to the next phase's peak), when what the process holds
   plus the largest rise that phase has shown in this run would pass the budget (a phase not yet
   seen: whenever programs were built since the last drop). Each run of the phase measures its
   rise as its peak over its start: the kernel's high-water mark (VmHWM, reset before the phase
@@ -161,14 +162,18 @@ class ProgramBudget:
     return True
 
   @contextlib.contextmanager
-  def ahead_of(self, phase: str) -> Iterator[None]:
+  def ahead_of(self, phase: str, finish: Callable[[], None] | None = None) -> Iterator[None]:
     """A safe point before `phase` runs in the block: releases when what the process holds plus
     the largest rise `phase` has shown would pass the budget (a phase not yet measured: when
-    programs were built since the last drop), then measures this run's rise."""
+    programs were built since the last drop), then measures this run's rise. `finish`, called
+    at the end of the block, waits for what the phase left running in the background (an
+    asynchronous checkpoint's write), so that its memory counts in the phase's rise."""
     self.check(self.rises.get(phase, self.max_resident_bytes))
     start = self._resident()
     measured = start is not None and self._reset_high_water()
     yield
+    if finish is not None:
+      finish()
     peak = self._high_water() if measured else None
     if peak is not None:
       self.rises[phase] = max(self.rises.get(phase, 0), peak - start)
@@ -197,6 +202,9 @@ def release_if_over_budget() -> None:
     _budget.check()
 
 
-def ahead_of(phase: str) -> contextlib.AbstractContextManager[None]:
-  """The budget's `ProgramBudget.ahead_of(phase)` (no budget: nothing)."""
-  return _budget.ahead_of(phase) if _budget is not None else contextlib.nullcontext()
+def ahead_of(phase: str, finish: Callable[[], None] | None = None
+             ) -> contextlib.AbstractContextManager[None]:
+  """The budget's `ProgramBudget.ahead_of(phase, finish)` (no budget: nothing, and `finish` is
+  not called: the phase may go on in the background)."""
+  return (_budget.ahead_of(phase, finish) if _budget is not None
+          else contextlib.nullcontext())

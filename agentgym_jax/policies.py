@@ -55,7 +55,8 @@ class PolicySettings:
     source, path, arch, dtype: `config.model`'s source of the weights ("random" | "hf" |
       "smollm2"), its HF directory, the random model's ModelConfig fields (vocab_size 0: the
       tokenizer's) and the loaded parameters' dtype.
-    remat, attention, layer_loop: the ModelConfig fields the run chooses, not the checkpoint.
+    remat, attention, layer_loop, matmul_precision: the ModelConfig fields the run chooses,
+      not the checkpoint.
     lora_rank, lora_alpha: the LoRA adapters (rank 0: none).
     tokenizer, bpe_tasks: `config.tokenizer`'s spec and the tasks a "bpe:" one trains on.
     init_from: an earlier run's workdir whose policy and tokenizer start this one ("": none).
@@ -69,6 +70,7 @@ class PolicySettings:
   remat: bool = False
   attention: str = "auto"
   layer_loop: str = "auto"
+  matmul_precision: str = "float32"
   lora_rank: int = 0
   lora_alpha: float = 16.0
   tokenizer: str = "model"
@@ -125,8 +127,10 @@ def load_tokenizer(policy: PolicySettings, env: envs.EnvSettings, workdir: str |
 
 
 def run_settings(policy: PolicySettings) -> dict[str, Any]:
-  """The ModelConfig fields the run chooses, not the checkpoint: remat, attention, layer loop."""
-  return dict(remat=policy.remat, attention=policy.attention, layer_loop=policy.layer_loop)
+  """The ModelConfig fields the run chooses, not the checkpoint: remat, attention, layer loop,
+  matmul precision."""
+  return dict(remat=policy.remat, attention=policy.attention, layer_loop=policy.layer_loop,
+              matmul_precision=policy.matmul_precision)
 
 
 def _with_settings(model: Decoder, settings: dict[str, Any]) -> Decoder:

@@ -210,8 +210,8 @@ def policy(config: ml_collections.ConfigDict) -> PolicySettings:
   m = config.model
   return PolicySettings(
       source=m.source, path=m.path, arch=dict(m.arch), dtype=m.dtype, remat=m.remat,
-      attention=m.attention, layer_loop=m.layer_loop, lora_rank=m.lora_rank,
-      lora_alpha=m.lora_alpha, tokenizer=config.tokenizer.spec,
+      attention=m.attention, layer_loop=m.layer_loop, matmul_precision=m.matmul_precision,
+      lora_rank=m.lora_rank, lora_alpha=m.lora_alpha, tokenizer=config.tokenizer.spec,
       bpe_tasks=config.tokenizer.bpe_tasks, init_from=config.init_from, seed=config.seed)
 
 

@@ -20,8 +20,9 @@ compiles).
       [--choices blockwise/scan/remat,blockwise/unroll,xla/unroll] [--heads agent,every]
       [--repeats 2]
 
-A choice is attention/layer_loop[/remat]. The last line is
-`ratio: <last choice's temporaries / first choice's>` at the longest length, the first head's:
+A choice is attention/layer_loop[/remat][/bf16] (bf16: `model.matmul_precision=bfloat16`).
+The last line is `ratio: <last choice's temporaries / first choice's>` at the longest length,
+the first head's:
 with the defaults, how many times less memory the blockwise scan with remat needs than the XLA
 form unrolled.
 """
@@ -51,21 +52,25 @@ GiB = 1 << 30
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-  """An attention kernel, a layer loop and whether to remat: attention/layer_loop[/remat]."""
+  """An attention kernel, a layer loop, whether to remat and whether the matmuls take bf16
+  operands (`model.matmul_precision`): attention/layer_loop[/remat][/bf16]."""
 
   attention: str
   layer_loop: str
   remat: bool
+  bf16: bool = False
 
   @classmethod
   def parse(cls, text: str) -> "Choice":
     parts = text.split("/")
-    if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] != "remat"):
-      raise SystemExit(f"--choices: {text!r} is not attention/layer_loop[/remat]")
-    return cls(parts[0], parts[1], len(parts) == 3)
+    flags = parts[2:]
+    if len(parts) < 2 or flags not in ([], ["remat"], ["bf16"], ["remat", "bf16"]):
+      raise SystemExit(f"--choices: {text!r} is not attention/layer_loop[/remat][/bf16]")
+    return cls(parts[0], parts[1], "remat" in flags, "bf16" in flags)
 
   def __str__(self) -> str:
-    return f"{self.attention}/{self.layer_loop}" + ("/remat" if self.remat else "")
+    return (f"{self.attention}/{self.layer_loop}" + ("/remat" if self.remat else "")
+            + ("/bf16" if self.bf16 else ""))
 
 
 def one_row_config(spec: str, choice: Choice, length: int):
@@ -78,6 +83,7 @@ def one_row_config(spec: str, choice: Choice, length: int):
     config.rollout.max_context = length
     config.model.attention, config.model.layer_loop = choice.attention, choice.layer_loop
     config.model.remat = choice.remat
+    config.model.matmul_precision = "bfloat16" if choice.bf16 else "float32"
     if config.model.source == "random" and not config.model.arch.vocab_size:
       config.model.arch.vocab_size = 512
   return config

@@ -159,6 +159,32 @@ def test_ahead_of_a_phase_releases_by_the_rise_it_measured(monkeypatch):
   assert releases == [1, 2, 4]
 
 
+def test_what_a_phase_leaves_running_counts_in_its_rise_under_a_budget_only(monkeypatch):
+  # An asynchronous checkpoint's write goes on after its phase's block: under a budget the
+  # phase waits for it (`finish`), so that its host copies count in the phase's rise.
+  held, peak, finished = [50], [0], []
+  monkeypatch.setattr(freed_memory, "release_programs", lambda: None)
+
+  def reset():
+    peak[0] = held[0]
+    return True
+
+  def write_in_background():
+    peak[0] += 40  # the write's copies, made while it runs
+    finished.append(True)
+
+  budget = freed_memory.ProgramBudget(100, lambda: 0, resident=lambda: held[0],
+                                      high_water=(reset, lambda: peak[0]))
+  with budget.ahead_of("checkpoint", finish=write_in_background):
+    assert not finished
+  assert finished == [True] and budget.rises == {"checkpoint": 40}
+  # With no budget the module's safe point leaves the write in the background.
+  freed_memory.set_program_budget(None)
+  with freed_memory.ahead_of("checkpoint", finish=write_in_background):
+    pass
+  assert finished == [True]
+
+
 def test_high_water_mark_rises_with_a_buffer_and_resets():
   import numpy as np
   if not freed_memory.reset_high_water():

@@ -182,6 +182,50 @@ def test_bfloat16_params_give_float32_logits():
   assert _forward(model, tokens, valid).dtype == jnp.float32
 
 
+def _bf16(x):
+  return np.asarray(jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("kernel_in", [0, 1])
+def test_bfloat16_matmul_precision_rounds_operands_and_keeps_the_kernel_gradient_exact(
+    kernel_in):
+  from agentgym_jax.models.decoder import dot  # pylint: disable=import-outside-toplevel
+  k = jax.random.split(jax.random.key(3), 3)
+  x = jax.random.normal(k[0], (2, 5, 24))
+  kernel = jax.random.normal(k[1], (24, 16) if kernel_in == 0 else (16, 24))
+  cotangent = jax.random.normal(k[2], (2, 5, 16))
+  w = _bf16(kernel) if kernel_in == 0 else _bf16(kernel).T  # [In, Out]
+  x64, c64 = np.asarray(x, np.float64), np.asarray(cotangent, np.float64)
+
+  def loss(x, kernel, precision):
+    return jnp.sum(dot(x, kernel, precision, kernel_in) * cotangent)
+  out = dot(x, kernel, "bfloat16", kernel_in)
+  assert out.shape == (2, 5, 16) and out.dtype == jnp.float32
+  # Operands rounded to bf16, products summed in float32.
+  np.testing.assert_allclose(out, _bf16(x) @ w, rtol=1e-5, atol=1e-5)
+  exact = dot(x, kernel, "float32", kernel_in)
+  assert np.abs(np.asarray(out) - np.asarray(exact)).max() > 1e-3  # it did round
+  d_x, d_kernel = jax.grad(loss, argnums=(0, 1))(x, kernel, "bfloat16")
+  np.testing.assert_allclose(d_x, _bf16(cotangent) @ w.T, rtol=1e-5, atol=1e-5)
+  # The kernel gradient is float32's: the rows and the cotangent are not rounded.
+  exact_kernel_grad = np.einsum("bti,bto->io", x64, c64)
+  np.testing.assert_allclose(d_kernel, exact_kernel_grad if kernel_in == 0
+                             else exact_kernel_grad.T, rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_matmul_precision_stays_near_the_float32_model(model):
+  tokens, valid = _batch([6, 4], seed=7)
+  graphdef, state = nnx.split(model)
+  rounded_def, _ = nnx.split(nnx.eval_shape(lambda: Decoder(
+      dataclasses.replace(TINY, matmul_precision="bfloat16"), rngs=nnx.Rngs(0))))
+  logits = lambda gd: nnx.jit(lambda s: nnx.merge(gd, s)(tokens, valid))(state)
+  exact, rounded = np.asarray(logits(graphdef)), np.asarray(logits(rounded_def))
+  difference = np.abs(rounded - exact)[np.asarray(valid)].max()
+  assert 1e-4 < difference < 0.05 * np.abs(exact).max(), difference
+  with pytest.raises(ValueError, match="matmul_precision 'fp8' is not one of"):
+    dataclasses.replace(TINY, matmul_precision="fp8")
+
+
 def test_remat_same_gradients(model):
   tokens, valid = _batch([6, 4], seed=5)
   graphdef, state = nnx.split(model)

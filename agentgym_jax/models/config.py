@@ -34,6 +34,7 @@ _DTYPES = ("float32", "bfloat16")
 # How the training forward runs the blocks: "auto" (scan on accelerators, unrolled on CPU),
 # "scan" or "unroll" (`decoder.resolve_layer_loop`).
 LAYER_LOOPS = ("auto", "scan", "unroll")
+MATMUL_PRECISIONS = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,9 @@ class ModelConfig:
     attention: "auto" or a kernel of `models.attention.KERNELS` ("blockwise", "xla", "cudnn",
       "pallas", ...); "auto" resolves when a program is traced, per backend
       (`attention.resolve_attention`).
+    matmul_precision: the projections' and LM head's matmuls on float32 activations: "float32"
+      (exact), or "bfloat16" (operands rounded to bf16, products summed in float32: what TPUs do
+      for float32 matmuls at default precision; `decoder.dot`). No effect on bf16 activations.
     initializer_range: std of the normal initialiser for fresh weights.
     lora_rank: rank r of the LoRA adapters on the attention and MLP projections (`models.lora`);
       0 (the default) is no adapters. With adapters the base weights are frozen.
@@ -90,6 +94,7 @@ class ModelConfig:
   remat: bool = False
   attention: str = "auto"
   layer_loop: str = "auto"
+  matmul_precision: str = "float32"
   initializer_range: float = 0.02
   lora_rank: int = 0
   lora_alpha: float = 16.0
@@ -113,6 +118,9 @@ class ModelConfig:
     attention.check_attention(self.attention)
     if self.layer_loop not in LAYER_LOOPS:
       raise ValueError(f"layer_loop {self.layer_loop!r} is not one of {LAYER_LOOPS}.")
+    if self.matmul_precision not in MATMUL_PRECISIONS:
+      raise ValueError(f"matmul_precision {self.matmul_precision!r} is not one of "
+                       f"{MATMUL_PRECISIONS}.")
     if self.lora_rank < 0:
       raise ValueError(f"lora_rank must be >= 0 (0 turns LoRA off), got {self.lora_rank}.")
     if self.lora_alpha <= 0:

@@ -39,6 +39,7 @@ row of its own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,15 +74,58 @@ def _base(variable: nnx.Variable, cfg: ModelConfig) -> jax.Array:
   return jax.lax.stop_gradient(value) if cfg.lora_rank else value
 
 
-def dense(x: jax.Array, kernel: jax.Array) -> jax.Array:
-  """x [..., In] @ kernel [In, Out] -> [..., Out], as a 2-D matmul over flattened rows.
+def _dot_general(x: jax.Array, w: jax.Array, x_axis: int, w_axis: int,
+                 out_dtype: jnp.dtype) -> jax.Array:
+  return jax.lax.dot_general(x, w, (((x_axis,), (w_axis,)), ((), ())),
+                             preferred_element_type=out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _bf16_dot(rows: jax.Array, kernel: jax.Array, kernel_in: int) -> jax.Array:
+  """rows [N, In] float32 times kernel ([In, Out] for kernel_in=0, [Out, In] for 1) with bf16
+  operands and float32 sums -> [N, Out] float32; the backward's input gradient likewise, its
+  kernel gradient in float32 (`dot`)."""
+  bf16 = jnp.bfloat16
+  return _dot_general(rows.astype(bf16), kernel.astype(bf16), 1, kernel_in, rows.dtype)
+
+
+def _bf16_dot_forward(rows, kernel, kernel_in):
+  return _bf16_dot(rows, kernel, kernel_in), (rows, kernel)
+
+
+def _bf16_dot_backward(kernel_in, saved, cotangent):
+  rows, kernel = saved
+  d_rows = _dot_general(cotangent.astype(jnp.bfloat16), kernel.astype(jnp.bfloat16), 1,
+                        1 - kernel_in, rows.dtype)
+  # A contraction over the rows: XLA:CPU runs it no faster in bf16 than in float32.
+  d_kernel = (_dot_general(rows, cotangent, 0, 0, kernel.dtype) if kernel_in == 0 else
+              _dot_general(cotangent, rows, 0, 0, kernel.dtype))
+  return d_rows, d_kernel
+
+
+_bf16_dot.defvjp(_bf16_dot_forward, _bf16_dot_backward)
+
+
+def dot(x: jax.Array, kernel: jax.Array, precision: str = "float32", kernel_in: int = 0,
+        out_dtype: jnp.dtype | None = None) -> jax.Array:
+  """x [..., In] times kernel ([In, Out], or [Out, In] with kernel_in=1) -> [..., Out], as one
+  2-D matmul over flattened rows, summed in `out_dtype` (None: x's).
 
   Flattening matters for the backward pass on XLA:CPU: with x kept [B, T, In], the kernel
   gradient contracts two axes and lowers to a transpose plus a slow generic dot
-  (benchmarks/README.md, Model forward+backward).
+  (benchmarks/README.md, Model forward+backward). `precision` "bfloat16"
+  (`ModelConfig.matmul_precision`) rounds float32 operands to bf16 and sums in float32, in the
+  forward and in the backward's input gradient, as a TPU's default precision does; on a CPU
+  with AMX those matmuls run faster than float32 ones. The kernel gradient (a contraction
+  over every row) stays float32, where XLA:CPU runs it no slower than in bf16
+  (benchmarks/README.md, Matmul precision).
   """
-  out = x.reshape(-1, x.shape[-1]) @ kernel
-  return out.reshape(x.shape[:-1] + kernel.shape[-1:])
+  rows = x.reshape(-1, x.shape[-1])
+  if precision == "bfloat16" and x.dtype == jnp.float32 and out_dtype in (None, jnp.float32):
+    out = _bf16_dot(rows, kernel, kernel_in)
+  else:
+    out = _dot_general(rows, kernel, 1, kernel_in, out_dtype or x.dtype)
+  return out.reshape(x.shape[:-1] + kernel.shape[1 - kernel_in:][:1])
 
 
 class RMSNorm(nnx.Module):
@@ -159,12 +203,13 @@ class Block(nnx.Module):
   def _project(self, x: jax.Array, name: str) -> jax.Array:
     """x [..., In] through projection `name`: x @ W, plus (alpha / r) * (x @ A) @ B with
     adapters (A, B in x's dtype, as the mixed-precision forward casts every parameter)."""
-    out = dense(x, _base(getattr(self, name), self.cfg))
+    precision = self.cfg.matmul_precision
+    out = dot(x, _base(getattr(self, name), self.cfg), precision)
     if self.lora is None:
       return out
     adapter = getattr(self.lora, name)
-    low_rank = dense(dense(x, adapter.lora_a[...].astype(x.dtype)),
-                     adapter.lora_b[...].astype(x.dtype))
+    low_rank = dot(dot(x, adapter.lora_a[...].astype(x.dtype), precision),
+                   adapter.lora_b[...].astype(x.dtype), precision)
     return out + (self.cfg.lora_scale * low_rank).astype(out.dtype)
 
   def project_qkv(self, x: jax.Array, cos: jax.Array, sin: jax.Array
@@ -371,14 +416,11 @@ class Decoder(nnx.Module):
 
   def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
     """hidden [B, T, D] -> logits [B, T, V] float32 (accumulated in float32)."""
-    rows = hidden.reshape(-1, hidden.shape[-1])  # 2-D for a fast backward (see `dense`)
+    precision = self.cfg.matmul_precision
     if self.lm_head is None:
-      logits = jnp.einsum("nd,vd->nv", rows, _base(self.backbone.embed, self.cfg),
-                          preferred_element_type=jnp.float32)
-    else:
-      logits = jnp.einsum("nd,dv->nv", rows, _base(self.lm_head, self.cfg),
-                          preferred_element_type=jnp.float32)
-    return logits.reshape(hidden.shape[:-1] + logits.shape[-1:])
+      return dot(hidden, _base(self.backbone.embed, self.cfg), precision, kernel_in=1,
+                 out_dtype=jnp.float32)
+    return dot(hidden, _base(self.lm_head, self.cfg), precision, out_dtype=jnp.float32)
 
   def __call__(self, tokens: jax.Array, valid: jax.Array, segments: Segments | None = None
                ) -> jax.Array:

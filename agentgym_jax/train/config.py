@@ -136,6 +136,10 @@ def base_config() -> ml_collections.ConfigDict:
   # gathered weights to one layer; a Python loop on CPU, faster and smaller there), "scan" or
   # "unroll".
   c.model.layer_loop = "auto"
+  # The projections' and LM head's matmuls on float32 activations: "float32" (exact) or
+  # "bfloat16" (bf16 operands summed in float32, as a TPU's default precision; on a CPU with
+  # AMX the forward's and the input gradient's matmuls run faster; models/decoder.py `dot`).
+  c.model.matmul_precision = "float32"
   # The update's and scorers' forward dtype: "float32", or "bfloat16" for mixed precision
   # (float32 parameters and optimizer, bf16 matmuls and activations; upstream verl's FSDP
   # default, and half the activation memory of a long row).
@@ -464,9 +468,11 @@ def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     ValueError: fields that `base_config()` does not define, or `model.arch` keys that are
       not ModelConfig fields.
   """
-  from agentgym_jax.models import ModelConfig  # pylint: disable=import-outside-toplevel
-  from agentgym_jax.models.attention import attention_names  # pylint: disable=import-outside-toplevel
-  from agentgym_jax.models.config import LAYER_LOOPS  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from agentgym_jax.models import ModelConfig
+  from agentgym_jax.models.attention import attention_names
+  from agentgym_jax.models.config import LAYER_LOOPS, MATMUL_PRECISIONS
+  # pylint: enable=import-outside-toplevel
   unknown = _unknown_fields(config, base_config())
   arch_fields = {f.name for f in dataclasses.fields(ModelConfig)}
   unknown += [f"model.arch.{k}" for k in config.model.arch if k not in arch_fields]
@@ -482,6 +488,9 @@ def lock(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   if config.model.layer_loop not in LAYER_LOOPS:
     raise ValueError(f"model.layer_loop {config.model.layer_loop!r} is not one of "
                      f"{LAYER_LOOPS}.")
+  if config.model.matmul_precision not in MATMUL_PRECISIONS:
+    raise ValueError(f"model.matmul_precision {config.model.matmul_precision!r} is not one of "
+                     f"{MATMUL_PRECISIONS}.")
   if config.compile.max_resident_gib < 0:
     raise ValueError(f"compile.max_resident_gib must be >= 0 (0 keeps every program), got "
                      f"{config.compile.max_resident_gib}.")

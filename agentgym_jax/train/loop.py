@@ -266,8 +266,9 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
         stopped = "failing"
 
       if _due(done, config.checkpoint.every_steps, final) or stopped:
-        # Writing copies the train state to the host.
-        with freed_memory.ahead_of("checkpoint"):
+        # Writing copies the train state to the host; under a program budget the phase lasts
+        # until the write is done, so that its copies count in the phase's measured rise.
+        with freed_memory.ahead_of("checkpoint", finish=ckpt.wait):
           ckpt.save(done, state, meta_at(cursor))
         multihost.check_replicas_agree(share, state.policy, f"Step {done}")
       if saving and jax.process_index() == 0:
