@@ -45,6 +45,8 @@ CASES = [
                                   "--sciworld-warmup", "1"], RATIO, id="env-sciworld",
                  marks=pytest.mark.slow),
     pytest.param("sciworld_step.py", [], RATIO, id="sciworld-step", marks=pytest.mark.slow),
+    pytest.param("matmul_precision.py", ["--tokens", "64", "--repeats", "1"], RATIO,
+                 id="matmul-precision"),
     pytest.param("memory_bench.py", ["--config", "experiments/keypad/learn.py:runlocal",
                                      "--lengths", "64,128", "--time_lengths", "64",
                                      "--choices",
