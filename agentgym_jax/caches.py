@@ -7,7 +7,8 @@ executables.
 A run compiles once. JAX's persistent compilation cache saves every executable XLA builds, keyed
 by the program, its shardings and devices, the XLA flags and the jax version, and a later
 process that compiles the same program loads it instead: a second run of a config, an
-evaluation of its checkpoints, the test suite's processes. Each command line turns it on before
+evaluation of its checkpoints, the test suite's processes; the directory may be copied or
+moved (its keys do not include its path). Each command line turns it on before
 anything compiles (`use_compilation_cache`, with the config's `compile.cache_dir`), and so does
 tests/conftest.py for the test processes. JAX's own switch, JAX_ENABLE_COMPILATION_CACHE=false,
 still turns it off everywhere. The directory may be deleted at any time; it only grows.
@@ -59,9 +60,13 @@ def use_compilation_cache(directory: str) -> None:
     return
   if "://" not in directory:
     os.makedirs(directory, exist_ok=True)
-  # JAX's default jax_persistent_cache_enable_xla_caches also keeps XLA's GPU autotuning
-  # results in this directory.
   jax.config.update("jax_compilation_cache_dir", directory)
+  # JAX's default also points XLA's own caches (GPU autotuning results) into the directory, and
+  # that path then enters every program's cache key: a copy of the cache in another directory
+  # (a pod's hosts, a CI cache, the plan's output carried to the run) never hit. Without them
+  # the key names the program, not where the cache lives; what GPU autotuning costs is paid
+  # only when a program is compiled, never when it is loaded.
+  jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
   # JAX saves only programs that took a second or more to compile; a run's many small programs
   # (each prefill and decode bucket, the scorers, the optimizer's pieces) add up to most of its
   # compile time on a CPU, so every program is saved, however small or quick.
