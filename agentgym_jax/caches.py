@@ -30,6 +30,7 @@ import threading
 # second on each such hit, inside the first.
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_CACHE_RETRIEVAL = "/jax/compilation_cache/cache_retrieval_time_sec"  # a hit's load, inside the first
 
 
 def user_cache_dir(*parts: str) -> str:
@@ -79,7 +80,7 @@ class _Totals:
 
   def __init__(self):
     self.lock = threading.Lock()
-    self.count, self.cache_hits, self.seconds = 0, 0, 0.0
+    self.count, self.cache_hits, self.seconds, self.load_seconds = 0, 0, 0.0, 0.0
     import jax  # pylint: disable=import-outside-toplevel
     jax.monitoring.register_event_duration_secs_listener(self._on_duration)
     jax.monitoring.register_event_listener(self._on_event)
@@ -89,15 +90,18 @@ class _Totals:
       with self.lock:
         self.count += 1
         self.seconds += duration
+    elif event == _CACHE_RETRIEVAL:
+      with self.lock:
+        self.load_seconds += duration
 
   def _on_event(self, event: str, **_) -> None:
     if event == _CACHE_HIT:
       with self.lock:
         self.cache_hits += 1
 
-  def read(self) -> tuple[int, int, float]:
+  def read(self) -> tuple[int, int, float, float]:
     with self.lock:
-      return self.count, self.cache_hits, self.seconds
+      return self.count, self.cache_hits, self.seconds, self.load_seconds
 
 
 _totals: _Totals | None = None
@@ -131,9 +135,11 @@ class CompileCounter:
                           loop has seen all its shapes)
       compile/cache_hits  of these, loaded from the persistent cache
       compile/seconds     seconds spent building them (compiling or loading)
+      compile/load_seconds  of these, spent loading the cache hits (reading the entry and
+                          loading its executable); the rest is XLA compiling
     """
     now = self._totals.read()
-    count, hits, seconds = (a - b for a, b in zip(now, self._last))
+    count, hits, seconds, load_seconds = (a - b for a, b in zip(now, self._last))
     self._last = now
     return {"compile/count": float(count), "compile/cache_hits": float(hits),
-            "compile/seconds": float(seconds)}
+            "compile/seconds": float(seconds), "compile/load_seconds": float(load_seconds)}

@@ -19,11 +19,9 @@ the C library is not glibc it does nothing.
 Programs hold memory too: on XLA:CPU every executable of the model (an extend at one chunk
 width and cache length, a decode loop, an update) keeps about 40 MiB of SmolLM2-135M resident
 while JAX holds it (its kernels, not its arguments), and a run meets a new shape every few
-steps. `release_programs()` drops them all; the next call of each jitted function lowers its
-kept trace again and loads its program from the persistent compilation cache
-(agentgym_jax/caches.py) instead of compiling it. What tracing made (the jaxprs) stays: it
-holds next to nothing, and tracing the unrolled model is the dearer half of a reload (about
-0.6 of a second for an extend of SmolLM2-135M, 2.5 for its update; loading is 0.25 and 5.5). A `ProgramBudget`
+steps. `release_programs()` drops them all; the next call of each jitted function traces again
+and loads its program from the persistent compilation cache (agentgym_jax/caches.py) instead
+of compiling it, which costs about half a second a program of that model. A `ProgramBudget`
 holds the process to `compile.max_resident_gib` of resident memory at its peaks. It drops the
 programs at a safe point (no traced function running) that asks it:
 
@@ -77,36 +75,11 @@ def return_freed_memory(threshold: int = MMAP_THRESHOLD) -> bool:
   return ok
 
 
-def _drop_executables() -> bool:
-  """Clears JAX's caches of lowered modules and executables, keeping its traces; False where
-  this jax lacks them (then nothing was cleared).
-
-  jax.clear_caches() also drops the traces. These caches are JAX's internals, stable under the
-  jax pin of setup.py; tests/test_freed_memory.py fails when an upgrade moves them."""
-  try:
-    from jax._src import pjit  # pylint: disable=import-outside-toplevel
-    from jax._src.interpreters import pxla  # pylint: disable=import-outside-toplevel
-    from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
-    caches = (pjit._pjit_lower, pxla._cached_compilation, pxla._cached_lowering_to_hlo,  # pylint: disable=protected-access
-              pjit._cpp_pjit_cache_fun_only, pjit._cpp_pjit_cache_explicit_attributes,  # pylint: disable=protected-access
-              _jax.PjitFunctionCache)
-  except (ImportError, AttributeError):
-    return False
-  for cache in caches[:3]:
-    cache.cache_clear()
-  caches[3].clear()
-  caches[4].clear()
-  caches[5].clear_all()
-  return True
-
-
 def release_programs() -> None:
-  """Drops every program JAX holds, keeping the traces that built them (`_drop_executables`;
-  where that is not possible, jax.clear_caches, traces too), and gives the heap pages they
-  used back to the operating system (glibc's malloc_trim; elsewhere only the first)."""
-  if not _drop_executables():
-    import jax  # pylint: disable=import-outside-toplevel
-    jax.clear_caches()
+  """Drops every program JAX holds (jax.clear_caches) and gives the heap pages they used back
+  to the operating system (glibc's malloc_trim; elsewhere only the first)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.clear_caches()
   gc.collect()
   if platform.libc_ver()[0] == "glibc":
     ctypes.CDLL(None).malloc_trim(0)
@@ -177,6 +150,9 @@ class ProgramBudget:
         or self._built() == self._released_at):
       return False
     release_programs()
+    logging.info("Dropped the programs built since the last drop (%d): %.2f GiB held + %.2f of "
+                 "rise > compile.max_resident_gib=%.2f.", self._built() - self._released_at,
+                 held / 2**30, rise / 2**30, self.max_resident_bytes / 2**30)
     self._released_at = self._built()
     self.releases += 1
     after = self._resident()

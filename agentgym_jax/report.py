@@ -7,7 +7,10 @@ A WORKDIR is a training workdir, or a sweep's base workdir whose sub-directories
 (`launch/sweep.py`: one per point, named like `algo=grpo,seed=3`). Runs whose names differ
 only by their `seed=` component are pooled into one group. Each run's held-out results are the
 trainer's evaluation reports, WORKDIR/eval/step_<N>/eval_<split>.json: "before" is its first
-evaluated step, "after" its last (or the steps given). A task's success is the share of its
+evaluated step, "after" its last (or the steps given). A run that starts from another run's
+checkpoint (`init_from`, e.g. RL from BC) and did not evaluate its own start takes its "before"
+from that run's last evaluation, the checkpoint it started from (the main job's RL stage,
+`eval.at_start = False`). A task's success is the share of its
 healthy samples that passed (0 or 1 for greedy evaluation); tasks with no healthy sample at
 either step, or missing from any run of a group, are left out, so every run of a group is
 compared on the same tasks.
@@ -110,6 +113,7 @@ class RunResult:
   after_step: int
   num_evaluated: tuple[int, int]  # tasks in the before and after reports
   tasks: dict[int, tuple[str, float, float]]  # task id -> (level, success before, after)
+  before_from: str = ""  # the run whose evaluation is "before", when not this one (init_from)
 
 
 def _eval_steps(workdir: str) -> dict[int, str]:
@@ -144,12 +148,29 @@ def _read_report(step_dir: str, split: str) -> dict[str, Any]:
   return {"env": env, "success": success, "num_tasks": len(tasks)}
 
 
-def _seed(workdir: str) -> int | None:
+def _config_field(workdir: str, field: str) -> Any:
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
     return None
   with open(path) as f:
-    return json.load(f).get("seed")
+    return json.load(f).get(field)
+
+
+def _seed(workdir: str) -> int | None:
+  return _config_field(workdir, "seed")
+
+
+def _start_evaluation(workdir: str, steps: dict[int, str]) -> tuple[str, int, str] | None:
+  """(run, step, report directory) of the evaluation of the checkpoint a run started from,
+  when it did not evaluate step 0 itself and its init_from run evaluated its last step."""
+  init = _config_field(workdir, "init_from")
+  if 0 in steps or not init or not os.path.isdir(init):
+    return None
+  init_steps = _eval_steps(init)
+  if not init_steps:
+    return None
+  last = max(init_steps)
+  return init, last, init_steps[last]
 
 
 def read_run(workdir: str, *, split: str = "test", before_step: int | None = None,
@@ -163,17 +184,22 @@ def read_run(workdir: str, *, split: str = "test", before_step: int | None = Non
   """
   steps = _eval_steps(workdir)
   where = os.path.join(workdir, EVAL_DIR)
-  if len(steps) < 2:
+  start = _start_evaluation(workdir, steps) if before_step is None else None
+  if len(steps) < (1 if start else 2):
     raise ReportError(f"{workdir} has {len(steps)} evaluated step(s) in {where}/step_<N>/, "
                       "the report needs a before and an after: train with eval.every_steps > 0 "
-                      "and eval.at_start (the defaults).")
-  before_step = min(steps) if before_step is None else before_step
+                      "and eval.at_start (the defaults), or from init_from a run that evaluated.")
   after_step = max(steps) if after_step is None else after_step
-  for step in (before_step, after_step):
+  before_from, before_dir = "", None
+  if start:
+    before_from, before_step, before_dir = start
+  elif before_step is None:
+    before_step = min(steps)
+  for step in ((after_step,) if start else (before_step, after_step)):
     if step not in steps:
       raise ReportError(f"{workdir} has no evaluation at step {step}; it has steps "
                         f"{sorted(steps)}.")
-  before = _read_report(steps[before_step], split)
+  before = _read_report(before_dir or steps[before_step], split)
   after = _read_report(steps[after_step], split)
   both = sorted(before["success"].keys() & after["success"].keys())
   return RunResult(
@@ -181,7 +207,7 @@ def read_run(workdir: str, *, split: str = "test", before_step: int | None = Non
       env=after["env"], before_step=before_step, after_step=after_step,
       num_evaluated=(before["num_tasks"], after["num_tasks"]),
       tasks={t: (after["success"][t][0], before["success"][t][1], after["success"][t][1])
-             for t in both})
+             for t in both}, before_from=before_from)
 
 
 def find_groups(workdirs: Sequence[str]) -> dict[str, list[str]]:
@@ -259,7 +285,7 @@ def build(workdirs: Sequence[str], *, split: str = "test", before_step: int | No
         "name": label, "env": envs[0],
         "runs": [{"name": run.name, "workdir": run.workdir, "seed": run.seed,
                   "before_step": run.before_step, "after_step": run.after_step,
-                  "evaluated": list(run.num_evaluated),
+                  "before_from": run.before_from, "evaluated": list(run.num_evaluated),
                   "levels": _by_level([run], shared, resamples=resamples, seed=seed)}
                  for run in runs],
         "pooled": _by_level(runs, shared, resamples=resamples, seed=seed)})
@@ -275,6 +301,13 @@ def _points(x: float) -> str:
 def _change(s: dict[str, Any]) -> list[str]:
   return [_points(s["before"]), _points(s["after"]), f"{100 * s['change']:+.1f}",
           f"[{100 * s['low']:+.1f}, {100 * s['high']:+.1f}]"]
+
+
+def _before(run: dict[str, Any]) -> str:
+  """The before step, with the run it comes from when not this one (init_from)."""
+  if not run.get("before_from"):
+    return str(run["before_step"])
+  return f"{os.path.basename(os.path.normpath(run['before_from']))}'s {run['before_step']}"
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> list[str]:
@@ -294,7 +327,7 @@ def markdown(report: dict[str, Any]) -> str:
     pooled = group["pooled"][OVERALL]
     lines += ["", f"## {group['name']} ({group['env']}, {pooled['seeds']} run"
               f"{'s' * (pooled['seeds'] != 1)}, {pooled['tasks']} tasks)", ""]
-    rows = [[run["name"], run["seed"], f"{run['before_step']} -> {run['after_step']}",
+    rows = [[run["name"], run["seed"], f"{_before(run)} -> {run['after_step']}",
              run["levels"][OVERALL]["tasks"], *_change(run["levels"][OVERALL])]
             for run in group["runs"]]
     rows.append(["**pooled**", "", "", pooled["tasks"], *_change(pooled)])

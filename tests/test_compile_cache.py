@@ -70,6 +70,9 @@ def test_a_second_run_loads_what_the_first_compiled(runs):
   compiled = total(warm, "compile/count") - total(warm, "compile/cache_hits")
   assert compiled <= 0.1 * total(cold, "compile/count"), warm
   assert total(warm, "compile/seconds") < 0.25 * total(cold, "compile/seconds"), (cold, warm)
+  # The loads are the warm run's build seconds; the cold run loaded nothing.
+  assert total(cold, "compile/load_seconds") == 0
+  assert 0 < total(warm, "compile/load_seconds") <= total(warm, "compile/seconds"), warm
 
 
 def test_a_copy_of_the_cache_in_another_directory_is_hit(runs):
@@ -81,7 +84,8 @@ def test_a_copy_of_the_cache_in_another_directory_is_hit(runs):
 def test_every_step_records_its_compiles_and_a_fixed_shape_run_builds_only_in_step_one(runs):
   for records in runs["cold"], runs["warm"]:
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert all({"compile/count", "compile/cache_hits", "compile/seconds"} <= set(r)
+    assert all({"compile/count", "compile/cache_hits", "compile/seconds",
+                "compile/load_seconds"} <= set(r)
                for r in records)
     first, *later = records
     assert first["compile/count"] > 0 and first["compile/seconds"] > 0

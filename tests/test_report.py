@@ -159,6 +159,26 @@ def test_synthetic_runs_pair_on_shared_tasks_and_levels(tmp_path):
   assert "| GoTo | 1 | 0.0 | 100.0 | +100.0 | [+100.0, +100.0] |" in report.markdown(data)
 
 
+def test_a_run_from_a_checkpoint_takes_its_before_from_that_runs_last_evaluation(tmp_path):
+  # The main job: BC evaluates its end (step 8); RL starts from it without evaluating its
+  # start (eval.at_start = False) and evaluates step 24 only.
+  bc, rl = tmp_path / "bc", tmp_path / "grpo,seed=3"
+  _write_eval(bc, 4, [(1, "GoToRedBall", False), (2, "PickupLoc", False)])
+  _write_eval(bc, 8, [(1, "GoToRedBall", True), (2, "PickupLoc", False)])
+  _write_eval(rl, 24, [(1, "GoToRedBall", True), (2, "PickupLoc", True)])
+  (rl / "config.json").write_text(json.dumps({"seed": 3, "init_from": str(bc)}))
+  data = report.build([str(rl)], resamples=1000)
+  [run] = data["groups"][0]["runs"]
+  assert (run["before_from"], run["before_step"], run["after_step"]) == (str(bc), 8, 24)
+  assert run["levels"]["Overall"] | {} == {"seeds": 1, "tasks": 2, "before": 0.5, "after": 1.0,
+                                           "change": 0.5, "low": 0.0, "high": 1.0}
+  assert "| grpo,seed=3 | 3 | bc's 8 -> 24 | 2 |" in report.markdown(data)
+  # A run that evaluated its own start keeps it.
+  _write_eval(rl, 0, [(1, "GoToRedBall", False), (2, "PickupLoc", False)])
+  [run] = report.build([str(rl)], resamples=10)["groups"][0]["runs"]
+  assert (run["before_from"], run["before_step"]) == ("", 0)
+
+
 @pytest.mark.parametrize("make, needle", [
     (lambda d: None, "is not a directory"),
     (lambda d: d.mkdir(), "holds no run"),

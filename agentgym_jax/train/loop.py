@@ -367,8 +367,8 @@ def step_metrics(got: batches.StepBatch, update_metrics: dict[str, Any],
 
   `clock` holds the times at the step's start and after its batch, update, checkpoint and
   evaluation; the batch's own phases (rollout, scoring, advantages) are in `got.metrics`.
-  `compile_metrics` is `caches.CompileCounter.take()`'s: compile/count, compile/cache_hits and
-  compile/seconds, each 0 in a step that met no new shape.
+  `compile_metrics` is `caches.CompileCounter.take()`'s: compile/count, compile/cache_hits,
+  compile/seconds and compile/load_seconds, each 0 in a step that met no new shape.
   """
   start, batched, updated, saved, evaluated = clock
   config, env = inputs.config, inputs.env

@@ -284,13 +284,8 @@ def smollm2_on_cpu(c: ml_collections.ConfigDict) -> None:
   # base's tokenizer.spec "model").
   c.model.source = SMOLLM2
   c.model.path = ""
-  # Weights and activations in float32; the projections' and LM head's matmuls take bf16
-  # operands and sum in float32 (`decoder.dot`, as TPU's default precision does): 2.5x the
-  # float32 forward matmuls on a CPU with AMX, ~15% off a step of the main job
-  # (benchmarks/README.md, Matmul precision). On a CPU without bf16 units (no amx_bf16 or
-  # avx512_bf16 in /proc/cpuinfo) float32 is the faster: --config.model.matmul_precision=float32.
+  # XLA:CPU has no fast bf16 matmul: float32 throughout.
   c.model.compute_dtype = "float32"
-  c.model.matmul_precision = "bfloat16"
   # 4 tasks x 4 samples per step, in one minibatch of one row per micro-batch.
   c.data.batch_tasks = 4
   c.data.group_size = 4
