@@ -47,6 +47,8 @@ CASES = [
     pytest.param("sciworld_step.py", [], RATIO, id="sciworld-step", marks=pytest.mark.slow),
     pytest.param("matmul_precision.py", ["--tokens", "64", "--repeats", "1"], RATIO,
                  id="matmul-precision"),
+    pytest.param("program_memory.py", ["--model", "d64", "--rows", "2", "--widths", "8,16"],
+                 RATIO, id="program-memory"),
     pytest.param("memory_bench.py", ["--config", "experiments/keypad/learn.py:runlocal",
                                      "--lengths", "64,128", "--time_lengths", "64",
                                      "--choices",
