@@ -141,6 +141,24 @@ def test_horizon_sweep_is_every_horizon_by_three_seeds():
       (h, s) for h in horizons.HORIZONS for s in (0, 1, 2)}
 
 
+def test_main_job_sweeps_are_five_seeds_and_two_algorithms_by_three(tmp_path):
+  import subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  from experiments.smollm2 import babyai  # pylint: disable=import-outside-toplevel
+  from test_trainer import REPO  # pylint: disable=import-outside-toplevel
+  assert babyai.get_sweep("seeds") == [{"arg.seed": s} for s in range(5)]
+  assert {(p["arg.algo"], p["arg.seed"]) for p in babyai.get_sweep("algos")} == {
+      (a, s) for a in ("gigpo", "ppo") for s in (0, 1, 2)}
+  with pytest.raises(ValueError, match="Unknown sweep"):
+    babyai.get_sweep("nope")
+  # The docstring's command line: one RL run per seed, each in its own workdir.
+  out = subprocess.run([sys.executable, "launch/sweep.py", f"--config={CONFIG}:stage=rl,init=BC",
+                        "--sweep=seeds", f"--workdir={tmp_path}"], cwd=REPO,
+                       capture_output=True, text=True, check=True).stdout
+  lines = [line for line in out.splitlines() if "agentgym_jax.train" in line]
+  assert len(lines) == 5 and f"--workdir={tmp_path}/seed=4" in lines[4]
+  assert f"--config={CONFIG}:stage=rl,init=BC,seed=4" in lines[4]
+
+
 # horizons.py's runlocal with a tiny random model and a small BPE tokenizer in SmolLM2's place,
 # from no BC run: seconds a step, most of a first run compiling (the test processes' cache,
 # tests/conftest.py, keeps what it compiled for the next). The SmolLM2 form (BC's runlocal,

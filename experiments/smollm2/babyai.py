@@ -16,6 +16,12 @@ float32 on one CPU device (experiments/agentgym_rl/common.py `smollm2_on_cpu`).
   python -m agentgym_jax.evaluate --config=$cfg:stage=bc --checkpoint=/tmp/smollm2/grpo \
       --temperature=1.0 --num_samples=4 --num_tasks=24 --output=/tmp/smollm2/grpo/eval_t1_avg4_24
   # the two-minute smoke run of any stage: append ,runlocal
+  # five seeds of the RL stage from one BC run (issue 45), then their held-out change with a
+  # 95% interval (each run's "before" is the BC run's last evaluation):
+  python launch/sweep.py --config=$cfg:stage=rl,init=/tmp/smollm2/bc --sweep=seeds \
+      --workdir=/tmp/smollm2/seeds --run
+  python -m agentgym_jax.report /tmp/smollm2/seeds
+  # --sweep=algos: GiGPO and PPO, 3 seeds each, from the same BC run.
 
 Config arguments: common.py (stage, algo, init, seed, runlocal).
 
@@ -51,6 +57,7 @@ tasks of the 8 levels below, 5 turns, greedy:
 
 from __future__ import annotations
 
+from agentgym_jax import sweeps
 from experiments.smollm2 import common
 
 # GoTo and Pickup levels of one room, where one macro action ("go to red ball 1",
@@ -70,3 +77,14 @@ SETTING = common.EnvSetting(
 
 def get_config(arg=None):
   return common.study_config(common.parse(arg), SETTING)
+
+
+def get_sweep(arg: str | None = None) -> sweeps.Sweep:
+  """"seeds": the RL stage at seeds 0-4; "algos": GiGPO and PPO at seeds 0-2 (run with
+  :stage=rl,init=<the BC run>)."""
+  if arg == "seeds":
+    return sweeps.sweep("arg.seed", [0, 1, 2, 3, 4])
+  if arg == "algos":
+    return sweeps.product(sweeps.sweep("arg.algo", ["gigpo", "ppo"]),
+                          sweeps.sweep("arg.seed", [0, 1, 2]))
+  raise ValueError(f"Unknown sweep {arg!r}; use 'seeds' or 'algos'.")
