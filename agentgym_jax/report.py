@@ -2,6 +2,7 @@ r"""Held-out success before and after training, per run and pooled over a sweep'
 95% bootstrap intervals of the change, overall and per level.
 
   python -m agentgym_jax.report WORKDIR... [--out DIR] [--before_step N] [--after_step N]
+      [--eval_dir eval]
 
 A WORKDIR is a training workdir, or a sweep's base workdir whose sub-directories are runs
 (`launch/sweep.py`: one per point, named like `algo=grpo,seed=3`). Runs whose names differ
@@ -10,7 +11,11 @@ trainer's evaluation reports, WORKDIR/eval/step_<N>/eval_<split>.json: "before" 
 evaluated step, "after" its last (or the steps given). A run that starts from another run's
 checkpoint (`init_from`, e.g. RL from BC) and did not evaluate its own start takes its "before"
 from that run's last evaluation, the checkpoint it started from (the main job's RL stage,
-`eval.at_start = False`). A task's success is the share of its
+`eval.at_start = False`). --eval_dir reads other evaluations of the same runs, e.g. of all 90
+BabyAI test tasks where training evaluated 48:
+  python -m agentgym_jax.evaluate --config=CFG --checkpoint=RUN --num_tasks=90 \
+      --output=RUN/eval_all/step_24   # and the BC run's at its last step
+  python -m agentgym_jax.report RUN --eval_dir=eval_all A task's success is the share of its
 healthy samples that passed (0 or 1 for greedy evaluation); tasks with no healthy sample at
 either step, or missing from any run of a group, are left out, so every run of a group is
 compared on the same tasks.
@@ -116,10 +121,10 @@ class RunResult:
   before_from: str = ""  # the run whose evaluation is "before", when not this one (init_from)
 
 
-def _eval_steps(workdir: str) -> dict[int, str]:
-  """Step -> directory of the trainer's evaluation reports in `workdir`."""
+def _eval_steps(workdir: str, eval_dir: str = EVAL_DIR) -> dict[int, str]:
+  """Step -> directory of the evaluation reports in `workdir`/`eval_dir`."""
   found = {}
-  for path in glob.glob(os.path.join(workdir, EVAL_DIR, "step_*")):
+  for path in glob.glob(os.path.join(workdir, eval_dir, "step_*")):
     match = re.fullmatch(r"step_(\d+)", os.path.basename(path))
     if match and os.path.isdir(path):
       found[int(match.group(1))] = path
@@ -160,13 +165,14 @@ def _seed(workdir: str) -> int | None:
   return _config_field(workdir, "seed")
 
 
-def _start_evaluation(workdir: str, steps: dict[int, str]) -> tuple[str, int, str] | None:
+def _start_evaluation(workdir: str, steps: dict[int, str], eval_dir: str = EVAL_DIR
+                      ) -> tuple[str, int, str] | None:
   """(run, step, report directory) of the evaluation of the checkpoint a run started from,
   when it did not evaluate step 0 itself and its init_from run evaluated its last step."""
   init = _config_field(workdir, "init_from")
   if 0 in steps or not init or not os.path.isdir(init):
     return None
-  init_steps = _eval_steps(init)
+  init_steps = _eval_steps(init, eval_dir)
   if not init_steps:
     return None
   last = max(init_steps)
@@ -174,17 +180,17 @@ def _start_evaluation(workdir: str, steps: dict[int, str]) -> tuple[str, int, st
 
 
 def read_run(workdir: str, *, split: str = "test", before_step: int | None = None,
-             after_step: int | None = None) -> RunResult:
+             after_step: int | None = None, eval_dir: str = EVAL_DIR) -> RunResult:
   """Per-task held-out success of the run in `workdir` at its first and last evaluated steps
-  (or the steps given).
+  (or the steps given), from the reports in `workdir`/`eval_dir`/step_<N>/.
 
   Raises:
     ReportError: no evaluation reports, fewer than two evaluated steps, a step not
       evaluated, or a report that does not read.
   """
-  steps = _eval_steps(workdir)
-  where = os.path.join(workdir, EVAL_DIR)
-  start = _start_evaluation(workdir, steps) if before_step is None else None
+  steps = _eval_steps(workdir, eval_dir)
+  where = os.path.join(workdir, eval_dir)
+  start = _start_evaluation(workdir, steps, eval_dir) if before_step is None else None
   if len(steps) < (1 if start else 2):
     raise ReportError(f"{workdir} has {len(steps)} evaluated step(s) in {where}/step_<N>/, "
                       "the report needs a before and an after: train with eval.every_steps > 0 "
@@ -210,7 +216,7 @@ def read_run(workdir: str, *, split: str = "test", before_step: int | None = Non
              for t in both}, before_from=before_from)
 
 
-def find_groups(workdirs: Sequence[str]) -> dict[str, list[str]]:
+def find_groups(workdirs: Sequence[str], eval_dir: str = EVAL_DIR) -> dict[str, list[str]]:
   """Group label -> the run workdirs pooled in it: per argument, its runs (itself, or its
   sub-directories) grouped by their names without the `seed=` component.
 
@@ -222,10 +228,10 @@ def find_groups(workdirs: Sequence[str]) -> dict[str, list[str]]:
     if not os.path.isdir(workdir):
       raise ReportError(f"{workdir!r} is not a directory: pass training workdirs or a "
                         "sweep's base workdir.")
-    runs = sweeps.runs_in(workdir, EVAL_DIR)
+    runs = sweeps.runs_in(workdir, eval_dir)
     if not runs:
       raise ReportError(f"{workdir} holds no run: neither it nor a sub-directory has "
-                        f"{EVAL_DIR}/step_<N>/ evaluation reports (train with "
+                        f"{eval_dir}/step_<N>/ evaluation reports (train with "
                         "eval.every_steps > 0).")
     top = os.path.basename(os.path.normpath(workdir))
     for run in runs:
@@ -261,8 +267,8 @@ def _by_level(runs: Sequence[RunResult], task_ids: Sequence[int], *, resamples: 
 
 
 def build(workdirs: Sequence[str], *, split: str = "test", before_step: int | None = None,
-          after_step: int | None = None, resamples: int = 10_000, seed: int = 0
-          ) -> dict[str, Any]:
+          after_step: int | None = None, resamples: int = 10_000, seed: int = 0,
+          eval_dir: str = EVAL_DIR) -> dict[str, Any]:
   """The report of `workdirs` as JSON-ready data: settings, then per group its runs (each
   with its own overall and per-level summary on the group's tasks) and the pooled summary.
 
@@ -271,9 +277,9 @@ def build(workdirs: Sequence[str], *, split: str = "test", before_step: int | No
       environments, or sharing no task.
   """
   groups = []
-  for label, dirs in find_groups(workdirs).items():
-    runs = [read_run(d, split=split, before_step=before_step, after_step=after_step)
-            for d in dirs]
+  for label, dirs in find_groups(workdirs, eval_dir).items():
+    runs = [read_run(d, split=split, before_step=before_step, after_step=after_step,
+                     eval_dir=eval_dir) for d in dirs]
     envs = sorted({run.env for run in runs})
     if len(envs) > 1:
       raise ReportError(f"Group {label} mixes environments {envs}; report them separately.")
@@ -289,7 +295,7 @@ def build(workdirs: Sequence[str], *, split: str = "test", before_step: int | No
                   "levels": _by_level([run], shared, resamples=resamples, seed=seed)}
                  for run in runs],
         "pooled": _by_level(runs, shared, resamples=resamples, seed=seed)})
-  return {"settings": {"split": split, "level": LEVEL, "resamples": resamples, "seed": seed,
+  return {"settings": {"split": split, "eval_dir": eval_dir, "level": LEVEL, "resamples": resamples, "seed": seed,
                        "interval": "percentile bootstrap over tasks and seeds, paired"},
           "groups": groups}
 
@@ -358,6 +364,9 @@ _OUT = flags.DEFINE_string("out", None, "Output directory (default: the first WO
 _SPLIT = flags.DEFINE_string("split", "test", "The evaluated split whose reports are read.")
 _BEFORE = flags.DEFINE_integer("before_step", None, "Step of 'before' (default: the first).")
 _AFTER = flags.DEFINE_integer("after_step", None, "Step of 'after' (default: the last).")
+_EVAL_DIR = flags.DEFINE_string(
+    "eval_dir", EVAL_DIR, "Each run's sub-directory of step_<N>/ reports: the trainer's (eval), "
+    "or where `python -m agentgym_jax.evaluate --output=WORKDIR/<eval_dir>/step_<N>` wrote.")
 _RESAMPLES = flags.DEFINE_integer("resamples", 10_000, "Bootstrap resamples.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the bootstrap's draws.")
 
@@ -368,7 +377,8 @@ def main(argv: list[str]) -> None:
               "workdirs or a sweep's base workdir.")
   try:
     report = build(argv[1:], split=_SPLIT.value, before_step=_BEFORE.value,
-                   after_step=_AFTER.value, resamples=_RESAMPLES.value, seed=_SEED.value)
+                   after_step=_AFTER.value, resamples=_RESAMPLES.value, seed=_SEED.value,
+                   eval_dir=_EVAL_DIR.value)
   except ReportError as e:
     cli.fatal(str(e))
   md_path, json_path = write(report, _OUT.value or argv[1])

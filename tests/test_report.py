@@ -124,6 +124,20 @@ def test_the_command_reports_a_real_sweep(sweep, tmp_path):
   assert group["pooled"]["Overall"] == dict(overall, seeds=2)
 
 
+def test_evaluations_written_by_the_evaluate_command_are_read_with_eval_dir(sweep, tmp_path):
+  run = tmp_path / "run"
+  shutil.copytree(sweep / "seed=0", run)
+  shutil.copytree(run / "eval" / "step_0", run / "eval_all" / "step_0")
+  result = run_cli("agentgym_jax.evaluate", "--config=experiments/keypad/learn.py:runlocal",
+                   f"--checkpoint={run}", "--num_tasks=8", f"--output={run / 'eval_all' / 'step_2'}")
+  assert result.returncode == 0, result.stdout[-3000:]
+  result = run_cli("agentgym_jax.report", str(run), "--eval_dir=eval_all", f"--out={tmp_path}")
+  assert result.returncode == 0, result.stdout[-3000:]
+  [group] = json.loads((tmp_path / "report.json").read_text())["groups"]
+  # The trainer's step-0 report has 6 tasks, the command's 8: the 6 of both are compared.
+  assert group["runs"][0]["evaluated"] == [6, 8] and group["pooled"]["Overall"]["tasks"] == 6
+
+
 def test_runs_group_by_name_without_their_seed(tmp_path):
   for name in ("algo=ppo,seed=0", "algo=ppo,seed=1", "algo=grpo,seed=0"):
     (tmp_path / name / "eval").mkdir(parents=True)
@@ -138,8 +152,8 @@ def test_runs_group_by_name_without_their_seed(tmp_path):
 # ----- bad input ------------------------------------------------------------------------------
 
 
-def _write_eval(workdir, step, tasks, env="babyai"):
-  path = workdir / "eval" / f"step_{step}"
+def _write_eval(workdir, step, tasks, env="babyai", eval_dir="eval"):
+  path = workdir / eval_dir / f"step_{step}"
   path.mkdir(parents=True)
   (path / "eval_test.json").write_text(json.dumps({"settings": {"env": env}, "tasks": [
       {"task_id": t, "category": c, "success": [s], "failed": [False]} for t, c, s in tasks]}))
@@ -173,6 +187,15 @@ def test_a_run_from_a_checkpoint_takes_its_before_from_that_runs_last_evaluation
   assert run["levels"]["Overall"] | {} == {"seeds": 1, "tasks": 2, "before": 0.5, "after": 1.0,
                                            "change": 0.5, "low": 0.0, "high": 1.0}
   assert "| grpo,seed=3 | 3 | bc's 8 -> 24 | 2 |" in report.markdown(data)
+  # Other evaluations of the same checkpoints (python -m agentgym_jax.evaluate --output=
+  # RUN/eval_all/step_24, e.g. on all 90 tasks), read with eval_dir.
+  _write_eval(bc, 8, [(t, "GoToRedBall", t < 3) for t in range(1, 5)], eval_dir="eval_all")
+  _write_eval(rl, 24, [(t, "GoToRedBall", True) for t in range(1, 5)], eval_dir="eval_all")
+  data = report.build([str(rl)], resamples=1000, eval_dir="eval_all")
+  [run] = data["groups"][0]["runs"]
+  assert (run["before_from"], run["before_step"], run["evaluated"]) == (str(bc), 8, [4, 4])
+  assert (run["levels"]["Overall"]["before"], run["levels"]["Overall"]["after"]) == (0.5, 1.0)
+  assert data["settings"]["eval_dir"] == "eval_all"
   # A run that evaluated its own start keeps it.
   _write_eval(rl, 0, [(1, "GoToRedBall", False), (2, "PickupLoc", False)])
   [run] = report.build([str(rl)], resamples=10)["groups"][0]["runs"]
