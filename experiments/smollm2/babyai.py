@@ -21,6 +21,13 @@ float32 on one CPU device (experiments/agentgym_rl/common.py `smollm2_on_cpu`).
   python launch/sweep.py --config=$cfg:stage=rl,init=/tmp/smollm2/bc --sweep=seeds \
       --workdir=/tmp/smollm2/seeds --run
   python -m agentgym_jax.report /tmp/smollm2/seeds
+  # the same on all 90 test tasks (the runs evaluate 48): each final checkpoint, and BC's,
+  # evaluated where the report's --eval_dir finds them
+  python -m agentgym_jax.evaluate --config=$cfg:stage=bc --checkpoint=/tmp/smollm2/bc \
+      --num_tasks=90 --output=/tmp/smollm2/bc/eval_all/step_8
+  for run in /tmp/smollm2/seeds/seed=*; do python -m agentgym_jax.evaluate \
+      --config=$cfg:stage=bc --checkpoint=$run --num_tasks=90 --output=$run/eval_all/step_24; done
+  python -m agentgym_jax.report /tmp/smollm2/seeds --eval_dir=eval_all
   # --sweep=algos: GiGPO and PPO, 3 seeds each, from the same BC run.
 
 Config arguments: common.py (stage, algo, init, seed, runlocal).
