@@ -15,8 +15,9 @@ from that run's last evaluation, the checkpoint it started from (the main job's 
 BabyAI test tasks where training evaluated 48:
   python -m agentgym_jax.evaluate --config=CFG --checkpoint=RUN --num_tasks=90 \
       --output=RUN/eval_all/step_24   # and the BC run's at its last step
-  python -m agentgym_jax.report RUN --eval_dir=eval_all A task's success is the share of its
-healthy samples that passed (0 or 1 for greedy evaluation); tasks with no healthy sample at
+  python -m agentgym_jax.report RUN --eval_dir=eval_all
+
+A task's success is the share of its healthy samples that passed (0 or 1 for greedy evaluation); tasks with no healthy sample at
 either step, or missing from any run of a group, are left out, so every run of a group is
 compared on the same tasks.
 
@@ -153,23 +154,19 @@ def _read_report(step_dir: str, split: str) -> dict[str, Any]:
   return {"env": env, "success": success, "num_tasks": len(tasks)}
 
 
-def _config_field(workdir: str, field: str) -> Any:
+def _config(workdir: str) -> dict[str, Any]:
+  """The run's saved config.json ({} without one)."""
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
-    return None
+    return {}
   with open(path) as f:
-    return json.load(f).get(field)
+    return json.load(f)
 
 
-def _seed(workdir: str) -> int | None:
-  return _config_field(workdir, "seed")
-
-
-def _start_evaluation(workdir: str, steps: dict[int, str], eval_dir: str = EVAL_DIR
+def _start_evaluation(init: str | None, steps: dict[int, str], eval_dir: str = EVAL_DIR
                       ) -> tuple[str, int, str] | None:
-  """(run, step, report directory) of the evaluation of the checkpoint a run started from,
-  when it did not evaluate step 0 itself and its init_from run evaluated its last step."""
-  init = _config_field(workdir, "init_from")
+  """(run, step, report directory) of the evaluation of the checkpoint a run started from
+  (its `init` run), when it did not evaluate step 0 itself and that run evaluated."""
   if 0 in steps or not init or not os.path.isdir(init):
     return None
   init_steps = _eval_steps(init, eval_dir)
@@ -190,7 +187,9 @@ def read_run(workdir: str, *, split: str = "test", before_step: int | None = Non
   """
   steps = _eval_steps(workdir, eval_dir)
   where = os.path.join(workdir, eval_dir)
-  start = _start_evaluation(workdir, steps, eval_dir) if before_step is None else None
+  config = _config(workdir)
+  start = (_start_evaluation(config.get("init_from"), steps, eval_dir) if before_step is None
+           else None)
   if len(steps) < (1 if start else 2):
     raise ReportError(f"{workdir} has {len(steps)} evaluated step(s) in {where}/step_<N>/, "
                       "the report needs a before and an after: train with eval.every_steps > 0 "
@@ -209,7 +208,7 @@ def read_run(workdir: str, *, split: str = "test", before_step: int | None = Non
   after = _read_report(steps[after_step], split)
   both = sorted(before["success"].keys() & after["success"].keys())
   return RunResult(
-      name=os.path.basename(os.path.normpath(workdir)), workdir=workdir, seed=_seed(workdir),
+      name=os.path.basename(os.path.normpath(workdir)), workdir=workdir, seed=config.get("seed"),
       env=after["env"], before_step=before_step, after_step=after_step,
       num_evaluated=(before["num_tasks"], after["num_tasks"]),
       tasks={t: (after["success"][t][0], before["success"][t][1], after["success"][t][1])
@@ -295,7 +294,8 @@ def build(workdirs: Sequence[str], *, split: str = "test", before_step: int | No
                   "levels": _by_level([run], shared, resamples=resamples, seed=seed)}
                  for run in runs],
         "pooled": _by_level(runs, shared, resamples=resamples, seed=seed)})
-  return {"settings": {"split": split, "eval_dir": eval_dir, "level": LEVEL, "resamples": resamples, "seed": seed,
+  return {"settings": {"split": split, "eval_dir": eval_dir, "level": LEVEL,
+                       "resamples": resamples, "seed": seed,
                        "interval": "percentile bootstrap over tasks and seeds, paired"},
           "groups": groups}
 
