@@ -17,9 +17,9 @@ BabyAI test tasks where training evaluated 48:
       --output=RUN/eval_all/step_24   # and the BC run's at its last step
   python -m agentgym_jax.report RUN --eval_dir=eval_all
 
-A task's success is the share of its healthy samples that passed (0 or 1 for greedy evaluation); tasks with no healthy sample at
-either step, or missing from any run of a group, are left out, so every run of a group is
-compared on the same tasks.
+A task's success is the share of its healthy samples that passed (0 or 1 for greedy
+evaluation); tasks with no healthy sample at either step, or missing from any run of a group,
+are left out, so every run of a group is compared on the same tasks.
 
 The interval is a percentile bootstrap of the paired change (after - before on the same task)
 over tasks and seeds together: each resample draws the tasks with replacement and, in a group
