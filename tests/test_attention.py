@@ -419,6 +419,7 @@ def test_blockwise_segments_visit_only_blocks_with_visible_keys(monkeypatch, row
     return scores(*args, **kwargs)
   monkeypatch.setattr(attn, "_block_scores", counted)
   monkeypatch.setattr(attn, "_SEGMENT_BLOCK", block)
+  jax.clear_caches()  # flash_attention is jitted: a trace cached by another test has no callback
   valid, segments = _packed([row])
   t = valid.shape[1]
   q, k, v = _qkv(1, t, 2, 2, 8, seed=4)

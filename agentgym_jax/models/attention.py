@@ -381,6 +381,7 @@ def _flash_block(n: int, largest: int = _FLASH_BLOCK) -> int:
   return -(-n // -(-n // largest))
 
 
+@functools.partial(jax.jit, static_argnames=("block_q", "block_k"))
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
                     kv_valid: jax.Array, block_q: int | None = None,
                     block_k: int | None = None, *,

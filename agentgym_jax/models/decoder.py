@@ -331,6 +331,37 @@ def _scan_blocks(layer, blocks: list[Block], x: jax.Array) -> jax.Array:
   return jax.lax.scan(body, x, stacked)[0]
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_block(graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array, cos: jax.Array,
+                   sin: jax.Array, valid: jax.Array, segments: Segments | None
+                   ) -> jax.Array:
+  """One block of `Backbone.__call__` (`Block.__call__` of `graphdef`/`params`): x [B, T, D]
+  -> [B, T, D]. Jitted, as `_extend_block` is, so that the blocks share one trace."""
+  out = nnx.merge(graphdef, params)(x, cos, sin, valid, segments)
+  return sharding.constrain(out, _ACTIVATION)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _extend_block(graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array, cos: jax.Array,
+                  sin: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One block of `Backbone.extend`: x [B, T, D] at RoPE tables cos, sin [B, T, Dh] through
+  the block `graphdef`/`params`, its keys and values written into the one-layer `cache` at
+  slots cache.lengths[b] + t. Returns x and the layer's new key and value buffers.
+
+  Jitted so that the blocks of an unrolled model, alike in structure and shapes, share one
+  trace and one lowering (the program still inlines the call once per block): building an
+  extend or decode program of a 30-block model then traces one block instead of 30, which
+  is most of the time a rollout spends rebuilding programs dropped to keep its memory
+  (`freed_memory.ProgramBudget`)."""
+  block = nnx.merge(graphdef, params)
+  starts = cache.lengths
+  q, k, v = block.project_qkv(x, cos, sin)
+  k_buf, v_buf = cache.write(0, k, v, starts)
+  out = attention_lib.cache_attention(q, *cache.attention_view(k_buf, v_buf, q), starts,
+                                      block.cfg.attention)
+  return sharding.constrain(block.finish(x, out), _ACTIVATION), k_buf, v_buf
+
+
 class Backbone(nnx.Module):
   """Embedding, decoder blocks and final norm (shared by the policy and the value model)."""
 
@@ -362,7 +393,8 @@ class Backbone(nnx.Module):
     valid = valid.astype(bool)
 
     def layer(block: Block, x: jax.Array) -> jax.Array:
-      return sharding.constrain(block(x, cos, sin, valid, segments), _ACTIVATION)
+      graphdef, params = nnx.split(block)
+      return _forward_block(graphdef, params, x, cos, sin, valid, segments)
 
     x = sharding.constrain(self._embed(tokens), _ACTIVATION)
     if resolve_layer_loop(self.cfg.layer_loop) == "scan":
@@ -386,11 +418,9 @@ class Backbone(nnx.Module):
     x = sharding.constrain(self._embed(tokens), _ACTIVATION)
     ks, vs = [], []
     for i, block in enumerate(self.layers):
-      q, k, v = block.project_qkv(x, cos, sin)
-      k_buf, v_buf = cache.write(i, k, v, starts)
-      out = attention_lib.cache_attention(q, *cache.attention_view(k_buf, v_buf, q), starts,
-                                          self.cfg.attention)
-      x = sharding.constrain(block.finish(x, out), _ACTIVATION)
+      graphdef, params = nnx.split(block)
+      layer_cache = cache.replace(k=(cache.k[i],), v=(cache.v[i],))
+      x, k_buf, v_buf = _extend_block(graphdef, params, x, cos, sin, layer_cache)
       ks.append(k_buf)
       vs.append(v_buf)
     lengths = starts + num_new.astype(jnp.int32)
