@@ -528,15 +528,21 @@ def take_items(batch: Batch, items: jax.Array) -> Batch:
                    lambda x: jnp.take(x, items, axis=0))
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _optimizer_step(tx: optax.GradientTransformation, grads: Params, params: Params,
+                    opt_state: Any) -> tuple[Params, Any]:
+  """(params, opt_state) after one step of `tx` on `grads`. Jitted so that the two forms of
+  `_apply_if_finite`, both traced, share one trace of the optimizer (a few hundred leaves)."""
+  updates, opt_state = tx.update(grads, opt_state, params)
+  return optax.apply_updates(params, updates), opt_state
+
+
 def step_unless(tx: optax.GradientTransformation, finite: jax.Array, grads: Params,
                 params: Params, opt_state: Any, *, form: str) -> tuple[Params, Any]:
   """(params, opt_state) after one step of `tx` on `grads`, or unchanged where `finite` is
   False, in one of two forms that compute the same: "cond" (`lax.cond`) or "select" (the step,
   then a `jnp.where` of the new state and the old)."""
-  def step(params, opt_state):
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
+  step = lambda params, opt_state: _optimizer_step(tx, grads, params, opt_state)
   if form == "cond":
     return jax.lax.cond(finite, step, lambda *state: state, params, opt_state)
   keep = lambda new, old: jnp.where(finite, new, old)
