@@ -18,10 +18,12 @@ the C library is not glibc it does nothing.
 
 Programs hold memory too: on XLA:CPU every executable of the model (an extend at one chunk
 width and cache length, a decode loop, an update) keeps about 40 MiB of SmolLM2-135M resident
-while JAX holds it (its kernels, not its arguments), and a run meets a new shape every few
+while JAX holds it (the lowered module and the executable's own structures; neither its
+arguments nor, for the most part, machine code), and a run meets a new shape every few
 steps. `release_programs()` drops them all; the next call of each jitted function traces again
-and loads its program from the persistent compilation cache (agentgym_jax/caches.py) instead
-of compiling it, which costs about half a second a program of that model. A `ProgramBudget`
+(one block of the model: its blocks share a trace, models/decoder.py `_extend_block`) and loads
+its program from the persistent compilation cache (agentgym_jax/caches.py) instead of
+compiling it, a fraction of the compile (benchmarks/README.md, Memory). A `ProgramBudget`
 holds the process to `compile.max_resident_gib` of resident memory at its peaks. It drops the
 programs at a safe point (no traced function running) that asks it:
 

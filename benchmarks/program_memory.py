@@ -7,7 +7,9 @@ model's forward (`Backbone.__call__`, no remat) over --rows rows at each width o
 with the blocks as a Python loop ("unroll", what XLA:CPU programs use today) and as a
 `lax.scan` ("scan"): each program is compiled ahead of time and kept, JAX's own caches are
 dropped (`freed_memory.release_programs`), and the growth of the process's resident memory is
-the program's. Also its compile seconds (persistent cache off).
+the program's. Also what building it took (persistent cache off): tracing, lowering to
+StableHLO, and XLA's compile; the first two are what a program dropped and reloaded from the
+persistent cache pays again besides the load.
 
   python benchmarks/program_memory.py [--model smollm2 --rows 8 --widths 32,64,128,256]
 
@@ -39,8 +41,9 @@ def with_layer_loop(model, loop: str) -> None:
       module.cfg = dataclasses.replace(module.cfg, layer_loop=loop, remat=False)
 
 
-def program_mib(model, widths: list[int], rows: int) -> list[tuple[float, float]]:
-  """(MiB held, compile seconds) of the forward program at each width, built in turn and kept."""
+def program_mib(model, widths: list[int], rows: int) -> list[tuple[float, float, float, float]]:
+  """(MiB held, trace, lower and compile seconds) of the forward program at each width, built
+  in turn and kept."""
   graphdef, state = nnx.split(model)
 
   @jax.jit
@@ -52,13 +55,19 @@ def program_mib(model, widths: list[int], rows: int) -> list[tuple[float, float]
     tokens = jnp.ones((rows, width), jnp.int32)
     freed_memory.release_programs()
     before = freed_memory.resident_bytes()
-    start = time.perf_counter()
-    program = forward.lower(state, tokens).compile()
-    seconds = time.perf_counter() - start
+    times = [time.perf_counter()]
+    traced = forward.trace(state, tokens)
+    times.append(time.perf_counter())
+    lowered = traced.lower()
+    times.append(time.perf_counter())
+    program = lowered.compile()
+    times.append(time.perf_counter())
+    del traced, lowered
     jax.block_until_ready(program(state, tokens))
     kept.append(program)  # the executable stays; what JAX cached beside it goes
     freed_memory.release_programs()
-    out.append(((freed_memory.resident_bytes() - before) / 2**20, seconds))
+    out.append(((freed_memory.resident_bytes() - before) / 2**20,
+                *(b - a for a, b in zip(times, times[1:]))))
   return out
 
 
@@ -79,9 +88,10 @@ def main():
     _, model = build_model(args.model)
     with_layer_loop(model, loop)
     held = program_mib(model, widths, args.rows)
-    means[loop] = sum(mib for mib, _ in held) / len(held)
-    print(f"{loop:6s} " + "  ".join(f"width {w}: {mib:5.1f} MiB ({s:.1f} s)"
-                                    for w, (mib, s) in zip(widths, held)))
+    means[loop] = sum(mib for mib, *_ in held) / len(held)
+    for width, (mib, trace, lower, compile_) in zip(widths, held):
+      print(f"{loop:6s} width {width}: {mib:5.1f} MiB, traced in {trace:.2f} s, lowered in "
+            f"{lower:.2f} s, compiled in {compile_:.1f} s")
   loadavg.report("end")
   print(f"ratio: {means['unroll'] / max(means['scan'], 0.1):.2f}")
 
