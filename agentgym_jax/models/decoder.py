@@ -332,16 +332,6 @@ def _scan_blocks(layer, blocks: list[Block], x: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _forward_block(graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array, cos: jax.Array,
-                   sin: jax.Array, valid: jax.Array, segments: Segments | None
-                   ) -> jax.Array:
-  """One block of `Backbone.__call__` (`Block.__call__` of `graphdef`/`params`): x [B, T, D]
-  -> [B, T, D]. Jitted, as `_extend_block` is, so that the blocks share one trace."""
-  out = nnx.merge(graphdef, params)(x, cos, sin, valid, segments)
-  return sharding.constrain(out, _ACTIVATION)
-
-
-@functools.partial(jax.jit, static_argnums=0)
 def _extend_block(graphdef: nnx.GraphDef, params: nnx.State, x: jax.Array, cos: jax.Array,
                   sin: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One block of `Backbone.extend`: x [B, T, D] at RoPE tables cos, sin [B, T, Dh] through
@@ -393,8 +383,7 @@ class Backbone(nnx.Module):
     valid = valid.astype(bool)
 
     def layer(block: Block, x: jax.Array) -> jax.Array:
-      graphdef, params = nnx.split(block)
-      return _forward_block(graphdef, params, x, cos, sin, valid, segments)
+      return sharding.constrain(block(x, cos, sin, valid, segments), _ACTIVATION)
 
     x = sharding.constrain(self._embed(tokens), _ACTIVATION)
     if resolve_layer_loop(self.cfg.layer_loop) == "scan":
