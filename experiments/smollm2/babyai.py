@@ -54,6 +54,8 @@ tasks of the 8 levels below, 5 turns, greedy:
     success 0.542 at step 24": +0.0 over BC; BC 10.5 minutes, RL 68 (README.md, session 14).
   commit bf16e4b (2026-12-06), as committed: BC "0.542 at step 8" in 7.0 minutes (peak 4.94
     GiB); RL "Held-out success 0.708 at step 24" in 49.6 minutes (peak 5.95 GiB; session 15).
+  commit 9cc4aab (2026-12-07), the same episodes: BC 6.9 minutes (peak 4.27 GiB), RL 41.0
+    minutes (peak 5.79 GiB), "0.708 at step 24" (session 17).
   greedy on all 90 test tasks (`evaluate --num_tasks=90`): BC 53.3% -> seed 0 68.9%, seed 1 60.0%.
   sampled at T=1, 4 samples x 48 tasks, BC -> RL seed 0: success per sample 37.0% -> 56.2%,
     Pass@4 68.8% -> 77.1%.
