@@ -43,6 +43,8 @@ EXTRAS = {
     "tpu": ["libtpu==0.0.42.*"],
     # Study plots (experiments/tiny/plot.py).
     "plots": ["matplotlib"],
+    # Native heap profiles: what an XLA program holds (benchmarks/program_heap.py).
+    "profile": ["memray"],
     # Test-only: transformers' PyTorch models as the numerical reference. Exactly this pin: an
     # unpinned torch resolves to a multi-GB CUDA build.
     "parity": ["torch==2.13.0", "accelerate"],

@@ -49,6 +49,8 @@ CASES = [
                  id="matmul-precision"),
     pytest.param("program_memory.py", ["--model", "d64", "--rows", "2", "--widths", "8,16"],
                  RATIO, id="program-memory"),
+    pytest.param("program_heap.py", ["--model", "d64", "--rows", "2", "--width", "16"], RATIO,
+                 id="program-heap"),
     pytest.param("memory_bench.py", ["--config", "experiments/keypad/learn.py:runlocal",
                                      "--lengths", "64,128", "--time_lengths", "64",
                                      "--choices",
