@@ -157,3 +157,33 @@ def test_a_bf16_copy_of_float32_weights_rolls_out_with_a_bf16_cache():
   state = update_lib.as_compute(state, "bfloat16")
   batch = DecodeBatch(graphdef, state, 4, limit=512, grow=True, mesh=None, max_reply_tokens=8)
   assert {x.dtype for x in batch.cache.k + batch.cache.v} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_a_growing_cache_is_a_safe_point_that_counts_its_grown_copy(monkeypatch):
+  """Under a program budget (freed_memory.ProgramBudget) the rollout drops the programs before
+  its cache grows when what the process holds plus the grown copy, alive beside the old cache
+  while it is made, would pass the budget; within the budget it keeps them."""
+  from agentgym_jax import freed_memory  # pylint: disable=import-outside-toplevel
+  graphdef, state = _model(CFG)
+  batch = DecodeBatch(graphdef, state, 4, limit=512, grow=True, mesh=None, max_reply_tokens=8)
+  small = batch.cache.nbytes  # layers x (k, v) x rows x kv heads x head_dim x 256 slots x 4 B
+  assert batch.cache.max_len == 256
+  assert small == CFG.num_layers * 2 * 4 * CFG.num_kv_heads * CFG.head_dim * 256 * 4
+  checked, released = [], []
+  monkeypatch.setattr(freed_memory, "release_programs", lambda: released.append(True))
+  held, built = 10 * small, [0]
+  budget = freed_memory.ProgramBudget(held + small, lambda: built[0], resident=lambda: held)
+  built[0] = 1  # programs built since the budget began: there is something to drop
+  check = budget.check
+  monkeypatch.setattr(budget, "check", lambda rise=0: checked.append(rise) or check(rise))
+  freed_memory.set_program_budget(budget)
+  try:
+    batch.assign(np.arange(4), jax.random.split(jax.random.key(0), 4))
+    batch.extend([[5, 17, 3], [11, 2], [7], [60, 61]], np.zeros(4, np.int64), max_chunk=512,
+                 pad_id=0)
+    assert batch.cache.max_len == 256 and checked == [] and released == []  # no growth
+    batch.extend([list(range(1, 300))] * 4, np.array([3, 2, 1, 2]), max_chunk=512, pad_id=0)
+  finally:
+    freed_memory.set_program_budget(None)
+  # 256 -> 512 slots: the grown copy is twice the cache, and held + it passes the budget.
+  assert batch.cache.max_len == 512 and checked == [2 * small] and released == [True]

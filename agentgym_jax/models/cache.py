@@ -103,6 +103,12 @@ class KVCache:
     return (1, 1) if self.slots_major else (3, 2)
 
   @property
+  def nbytes(self) -> int:
+    """Bytes of every layer's key and value buffers on this process's devices (lengths left
+    out)."""
+    return sum(shard.data.nbytes for x in (*self.k, *self.v) for shard in x.addressable_shards)
+
+  @property
   def view_len(self) -> int:
     """Slots attention reads (the `live` bound, or all S)."""
     return self.live or self.max_len

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from agentgym_jax import sharding
+from agentgym_jax import freed_memory, sharding
 from agentgym_jax.models import KVCache
 from agentgym_jax.rollout import sampler
 from agentgym_jax.rollout.sampler import SamplingConfig
@@ -158,6 +158,8 @@ class DecodeBatch:
     compiles once per bucket instead of reading every slot at every step)."""
     bucket = sampler.cache_bucket(reach, self.limit)
     if bucket > self.cache.max_len:
+      # The grown copy lives beside the old cache while it is made: a safe point that counts it.
+      freed_memory.release_if_over_budget(self.cache.nbytes * bucket // self.cache.max_len)
       self.cache = self._put(self.cache.grow(bucket))
     if bucket != self.cache.view_len:
       self.cache = self.cache.with_live(bucket)
