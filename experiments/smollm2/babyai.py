@@ -56,7 +56,11 @@ tasks of the 8 levels below, 5 turns, greedy:
     GiB); RL "Held-out success 0.708 at step 24" in 49.6 minutes (peak 5.95 GiB; session 15).
   commit 9cc4aab (2026-12-07), the same episodes: BC 6.9 minutes (peak 4.27 GiB), RL 41.0
     minutes (peak 5.79 GiB), "0.708 at step 24" (session 17).
-  greedy on all 90 test tasks (`evaluate --num_tasks=90`): BC 53.3% -> seed 0 68.9%, seed 1 60.0%.
+  greedy on all 90 test tasks (`evaluate --num_tasks=90`): BC 53.3% -> seeds 0-4 68.9, 60.0,
+    60.0, 71.1 and 57.8%; pooled (`report --eval_dir=eval_all`) +10.2 points, 95% interval
+    [+2.0, +18.9] (session 18).
+  stage=rl,seed=3 and seed=4 with a warm compilation cache (commit 4a19a8e, session 18): 37.6
+    minutes each, peaks 6.10 and 5.80 GiB.
   sampled at T=1, 4 samples x 48 tasks, BC -> RL seed 0: success per sample 37.0% -> 56.2%,
     Pass@4 68.8% -> 77.1%.
   stage=rl with rollouts at temperature 1 (the earlier runs): 45.8-50.0% after 4-8 steps (GRPO),
