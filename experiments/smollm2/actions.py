@@ -5,8 +5,7 @@ r"""Which actions a checkpoint's agent takes, per BabyAI level group, from evalu
 
 Each argument is LABEL=DIR, DIR holding an `evaluate` report's episodes_test.jsonl. Levels are
 grouped into the paper's columns as the report groups them (`evaluate.columns.paper_column`:
-GoTo, Pickup, ...). Printed, per label
-and group: episodes, successes, how many episodes open with each action verb (the first word
+GoTo, Pickup, ...). Printed, per label and group: episodes, successes, how many episodes open with each action verb (the first word
 of the first turn's action: "go", "pickup", "turn", ...), and how many use the verb the group
 is named after at any turn ("pickup" in Pickup levels, "go" in GoTo levels), in Markdown.
 """
@@ -43,7 +42,7 @@ def verb(action: str) -> str:
 
 def summarize(episodes: Iterable[dict]) -> dict[str, dict]:
   """Per level group: {"episodes", "successes", "first": Counter of first verbs, "uses_verb":
-  episodes using the group's own verb at any turn (None when the group has no such verb)}."""
+  episodes using the group's own verb at any turn (0 when the group has no such verb)}."""
   groups: dict[str, dict] = {}
   for episode in episodes:
     group = columns.paper_column("babyai", episode["category"])
