@@ -44,17 +44,23 @@ programs at a safe point (no traced function running) that asks it:
 A budget in bytes rather than programs keeps every program while memory allows (a run whose
 shapes repeat then loads nothing after its first steps) and drops them only when they would
 push the next peak too high.
+
+The programs of the phases a budget is asked before are exempt (`KeptPrograms`): the update and
+the scoring run right after a drop, so dropping their own programs lowered no peak and cost a
+reload at every step (most of what a second run of the main job's BC stage spent building:
+experiments/smollm2/README.md).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import gc
 import logging
 import os
 import platform
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 # mallopt's parameter numbers (glibc's malloc.h).
 _M_TRIM_THRESHOLD = -1
@@ -169,6 +175,13 @@ class ProgramBudget:
     return True
 
   @contextlib.contextmanager
+  def kept(self) -> Iterator[None]:
+    """Programs built in the block survive a drop (`KeptPrograms`): they make none worth doing."""
+    before = self._built()
+    yield
+    self._released_at += self._built() - before
+
+  @contextlib.contextmanager
   def ahead_of(self, phase: str, finish: Callable[[], None] | None = None) -> Iterator[None]:
     """A safe point before `phase` runs in the block: releases when what the process holds plus
     the largest rise `phase` has shown would pass the budget (a phase not yet measured: when
@@ -216,3 +229,38 @@ def ahead_of(phase: str, finish: Callable[[], None] | None = None
   not called: the phase may go on in the background)."""
   return (_budget.ahead_of(phase, finish) if _budget is not None
           else contextlib.nullcontext())
+
+
+class KeptPrograms:
+  """`jitted` (a `jax.jit` function) whose executables `release_programs` leaves alone.
+
+  Each new signature of the arguments (tree, types, shardings) is compiled ahead of time,
+  `jitted.lower(*args).compile()`, which reads and writes the persistent compilation cache like
+  any compile, and held here rather than in JAX's caches, which a drop clears: the `max_kept`
+  most recently used signatures (a run's rows come in a few bucketed lengths; older ones are let
+  go). Builds here do not make the budget drop (`ProgramBudget.kept`). Arguments are passed as
+  to `jitted`, positionally, with no static ones.
+  """
+
+  def __init__(self, jitted: Any, max_kept: int = 2):
+    if max_kept < 1:
+      raise ValueError(f"KeptPrograms: max_kept must be >= 1, got {max_kept}.")
+    self.jitted, self.max_kept = jitted, max_kept
+    self._compiled: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+
+  @staticmethod
+  def _signature(args: tuple[Any, ...]) -> Any:
+    import jax  # pylint: disable=import-outside-toplevel
+    leaves, tree = jax.tree.flatten(args)
+    return tree, tuple((jax.typeof(x), getattr(x, "sharding", None)) for x in leaves)
+
+  def __call__(self, *args: Any) -> Any:
+    key = self._signature(args)
+    compiled = self._compiled.pop(key, None)
+    if compiled is None:
+      with _budget.kept() if _budget is not None else contextlib.nullcontext():
+        compiled = self.jitted.lower(*args).compile()
+    self._compiled[key] = compiled  # the most recently used last
+    while len(self._compiled) > self.max_kept:
+      self._compiled.popitem(last=False)
+    return compiled(*args)

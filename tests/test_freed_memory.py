@@ -195,3 +195,46 @@ def test_high_water_mark_rises_with_a_buffer_and_resets():
   assert freed_memory.high_water_bytes() >= start + 60 * 2**20
   assert freed_memory.reset_high_water()
   assert freed_memory.high_water_bytes() < start + 32 * 2**20
+
+
+def test_kept_programs_survive_a_drop_and_make_none_worth_doing():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from agentgym_jax import caches
+  counter = caches.CompileCounter()
+  traces = []
+
+  def double(x):
+    traces.append(x.shape)
+    return x * 2
+
+  kept = freed_memory.KeptPrograms(jax.jit(double), max_kept=2)
+  x3, x4, x5, i4 = jnp.ones(3), jnp.ones(4), jnp.ones(5), jnp.ones(4, jnp.int32)
+  other = jax.jit(lambda x: x + 1)
+  start = counter.built()
+  budget = freed_memory.ProgramBudget(100, counter.built, resident=lambda: 200)
+  freed_memory.set_program_budget(budget)
+  try:
+    assert (np.asarray(kept(x3)) == 2).all()  # compared on the host: no program of its own
+    assert counter.built() == start + 1 and traces == [(3,)]
+    # Only kept programs built since the last drop: over the budget, nothing worth dropping.
+    assert not budget.check()
+    freed_memory.release_programs()  # JAX's own caches go; the kept executable stays
+    assert (np.asarray(kept(x3)) == 2).all() and traces == [(3,)] and counter.built() == start + 1
+    kept(x4)
+    kept(x5)  # a third signature: the least recently used, length 3, is let go
+    assert traces == [(3,), (4,), (5,)]
+    kept(x4)
+    assert len(traces) == 3  # still kept
+    kept(x3)
+    assert traces[-1] == (3,) and len(traces) == 4
+    kept(i4)  # another dtype: a signature of its own
+    assert len(traces) == 5
+    assert not budget.check()
+    other(x4)  # a program the budget may drop
+    assert budget.check()
+  finally:
+    freed_memory.set_program_budget(None)
+  with pytest.raises(ValueError, match="max_kept must be >= 1"):
+    freed_memory.KeptPrograms(jax.jit(double), max_kept=0)
