@@ -60,6 +60,7 @@ import gc
 import logging
 import os
 import platform
+import weakref
 from typing import Any, Callable, Iterator
 
 # mallopt's parameter numbers (glibc's malloc.h).
@@ -90,6 +91,11 @@ def release_programs() -> None:
   to the operating system (glibc's malloc_trim; elsewhere only the first)."""
   import jax  # pylint: disable=import-outside-toplevel
   jax.clear_caches()
+  _give_back()
+
+
+def _give_back() -> None:
+  """Collects what was let go and returns glibc's free heap pages to the operating system."""
   gc.collect()
   if platform.libc_ver()[0] == "glibc":
     ctypes.CDLL(None).malloc_trim(0)
@@ -152,27 +158,34 @@ class ProgramBudget:
     self.rises: dict[str, int] = {}  # phase -> the largest rise measured over its start
     self._warned = False
 
-  def check(self, rise: int = 0) -> bool:
+  def check(self, rise: int = 0, phase: str | None = None) -> bool:
     """Releases when the resident memory plus `rise` (bytes the next phase will add) is over
-    budget; True when it did."""
+    budget: the programs built since the last drop, then, while still over, the kept programs
+    (`KeptPrograms`) of every phase but `phase`; True when it dropped any."""
     held = self._resident()
-    if (held is None or held + rise <= self.max_resident_bytes
-        or self._built() == self._released_at):
+    if held is None or held + rise <= self.max_resident_bytes:
       return False
-    release_programs()
-    logging.info("Dropped the programs built since the last drop (%d): %.2f GiB held + %.2f of "
-                 "rise > compile.max_resident_gib=%.2f.", self._built() - self._released_at,
-                 held / 2**30, rise / 2**30, self.max_resident_bytes / 2**30)
-    self._released_at = self._built()
-    self.releases += 1
-    after = self._resident()
-    if after is not None and after > self.max_resident_bytes and not self._warned:
+    released = False
+    if self._built() != self._released_at:
+      release_programs()
+      logging.info("Dropped the programs built since the last drop (%d): %.2f GiB held + %.2f "
+                   "of rise > compile.max_resident_gib=%.2f.", self._built() - self._released_at,
+                   held / 2**30, rise / 2**30, self.max_resident_bytes / 2**30)
+      self._released_at = self._built()
+      released = True
+      held = self._resident()
+    if held is not None and held + rise > self.max_resident_bytes:
+      released = _drop_kept(but=phase) or released
+      held = self._resident()
+    if released:
+      self.releases += 1
+    if released and held is not None and held > self.max_resident_bytes and not self._warned:
       self._warned = True
       logging.warning(
           "compile.max_resident_gib=%.2f is below what the run holds without its programs "
           "(%.2f GiB): every safe point now reloads its programs; raise it or set 0.",
-          self.max_resident_bytes / 2**30, after / 2**30)
-    return True
+          self.max_resident_bytes / 2**30, held / 2**30)
+    return released
 
   @contextlib.contextmanager
   def kept(self) -> Iterator[None]:
@@ -188,7 +201,7 @@ class ProgramBudget:
     programs were built since the last drop), then measures this run's rise. `finish`, called
     at the end of the block, waits for what the phase left running in the background (an
     asynchronous checkpoint's write), so that its memory counts in the phase's rise."""
-    self.check(self.rises.get(phase, self.max_resident_bytes))
+    self.check(self.rises.get(phase, self.max_resident_bytes), phase)
     start = self._resident()
     measured = start is not None and self._reset_high_water()
     yield
@@ -232,21 +245,31 @@ def ahead_of(phase: str, finish: Callable[[], None] | None = None
 
 
 class KeptPrograms:
-  """`jitted` (a `jax.jit` function) whose executables `release_programs` leaves alone.
+  """`jitted` (a `jax.jit` function), the program of `phase` (a name `ahead_of` is asked
+  before), whose executables `release_programs` leaves alone.
 
   Each new signature of the arguments (tree, types, shardings) is compiled ahead of time,
   `jitted.lower(*args).compile()`, which reads and writes the persistent compilation cache like
   any compile, and held here rather than in JAX's caches, which a drop clears: the `max_kept`
-  most recently used signatures (a run's rows come in a few bucketed lengths; older ones are let
-  go). Builds here do not make the budget drop (`ProgramBudget.kept`). Arguments are passed as
-  to `jitted`, positionally, with no static ones.
+  most recently used (older ones are let go once the new one is built). Builds here do not make
+  a drop worth doing (`ProgramBudget.kept`); a budget still over after dropping the rest drops
+  the kept programs of the other phases (`ProgramBudget.check`): the update's peak then holds
+  the update's program and not the scorers'. Arguments are passed as to `jitted`, positionally,
+  with no static ones.
   """
 
-  def __init__(self, jitted: Any, max_kept: int = 2):
+  def __init__(self, jitted: Any, phase: str, max_kept: int = 1):
     if max_kept < 1:
       raise ValueError(f"KeptPrograms: max_kept must be >= 1, got {max_kept}.")
-    self.jitted, self.max_kept = jitted, max_kept
+    self.jitted, self.phase, self.max_kept = jitted, phase, max_kept
     self._compiled: collections.OrderedDict[Any, Any] = collections.OrderedDict()
+    _kept.add(self)
+
+  def __len__(self) -> int:
+    return len(self._compiled)
+
+  def clear(self) -> None:
+    self._compiled.clear()
 
   @staticmethod
   def _signature(args: tuple[Any, ...]) -> Any:
@@ -264,3 +287,17 @@ class KeptPrograms:
     while len(self._compiled) > self.max_kept:
       self._compiled.popitem(last=False)
     return compiled(*args)
+
+
+_kept: "weakref.WeakSet[KeptPrograms]" = weakref.WeakSet()
+
+
+def _drop_kept(but: str | None) -> bool:
+  """Lets go of the kept programs of every phase but `but` (None: all); True when any held one."""
+  dropping = [kept for kept in list(_kept) if kept.phase != but and len(kept)]
+  for kept in dropping:
+    kept.clear()
+  if dropping:
+    _give_back()
+    logging.info("Dropped the kept programs of %s.", ", ".join(sorted({k.phase for k in dropping})))
+  return bool(dropping)

@@ -27,8 +27,9 @@ BEGIN, END = "<!-- tpu table: begin -->", "<!-- tpu table: end -->"
 ENVIRONMENTS = ("babyai", "sciworld", "searchqa", "textcraft", "webarena")
 SCHEDULES = ("fixed", "scaling_inter")
 # The slices each model size is planned for: the goal is 7B on v4-32 and v5e-64 and 3B on
-# v5e-16; 7B on v5e-16 shows what the smallest 16-chip slice lacks.
-SLICES = {"7b": ("v4-32", "v5e-64", "v5e-16"), "3b": ("v5e-16",)}
+# v5e-16; 7B on v5e-16 shows what the smallest 16-chip slice lacks; v5p-32 and v6e-16 are the
+# 16-chip slices of the two newer generations (95 and 32 GiB of HBM a chip).
+SLICES = {"7b": ("v4-32", "v5e-64", "v5e-16", "v5p-32", "v6e-16"), "3b": ("v5e-16",)}
 # Where full fine-tuning cannot fit: the same configs with LoRA adapters of this rank too.
 LORA_RANK, LORA_SLICES = 16, {"7b": ("v5e-16",)}
 # Why a planned row does not fit, in one line (the table's last column).

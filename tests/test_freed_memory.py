@@ -197,7 +197,7 @@ def test_high_water_mark_rises_with_a_buffer_and_resets():
   assert freed_memory.high_water_bytes() < start + 32 * 2**20
 
 
-def test_kept_programs_survive_a_drop_and_make_none_worth_doing():
+def test_kept_programs_survive_a_drop_and_go_last(monkeypatch):
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -209,17 +209,19 @@ def test_kept_programs_survive_a_drop_and_make_none_worth_doing():
     traces.append(x.shape)
     return x * 2
 
-  kept = freed_memory.KeptPrograms(jax.jit(double), max_kept=2)
+  kept = freed_memory.KeptPrograms(jax.jit(double), phase="update", max_kept=2)
+  scorer = freed_memory.KeptPrograms(jax.jit(lambda x: x - 1), phase="score")
   x3, x4, x5, i4 = jnp.ones(3), jnp.ones(4), jnp.ones(5), jnp.ones(4, jnp.int32)
   other = jax.jit(lambda x: x + 1)
   start = counter.built()
-  budget = freed_memory.ProgramBudget(100, counter.built, resident=lambda: 200)
+  held = [90]
+  budget = freed_memory.ProgramBudget(100, counter.built, resident=lambda: held[0])
   freed_memory.set_program_budget(budget)
   try:
     assert (np.asarray(kept(x3)) == 2).all()  # compared on the host: no program of its own
     assert counter.built() == start + 1 and traces == [(3,)]
-    # Only kept programs built since the last drop: over the budget, nothing worth dropping.
-    assert not budget.check()
+    # Only kept programs built since the last drop, and within the budget: nothing dropped.
+    assert not budget.check(rise=5)
     freed_memory.release_programs()  # JAX's own caches go; the kept executable stays
     assert (np.asarray(kept(x3)) == 2).all() and traces == [(3,)] and counter.built() == start + 1
     kept(x4)
@@ -230,11 +232,27 @@ def test_kept_programs_survive_a_drop_and_make_none_worth_doing():
     kept(x3)
     assert traces[-1] == (3,) and len(traces) == 4
     kept(i4)  # another dtype: a signature of its own
-    assert len(traces) == 5
-    assert not budget.check()
-    other(x4)  # a program the budget may drop
-    assert budget.check()
+    assert len(traces) == 5 and len(kept) == 2
+    scorer(x4)
+    other(x4)  # a program the budget drops first: enough here
+    release = freed_memory.release_programs
+
+    def release_and_free():
+      release()
+      held[0] -= 10
+
+    monkeypatch.setattr(freed_memory, "release_programs", release_and_free)
+    assert budget.check(rise=15, phase="update") and len(kept) == 2 and len(scorer) == 1
+    assert budget.releases == 1 and held[0] == 80
+    # Still over with nothing else to drop: the other phases' kept programs go, not the phase's.
+    assert budget.check(rise=25, phase="update") and len(kept) == 2 and len(scorer) == 0
+    scorer(x4)
+    # Between a rollout's turns (no phase) every kept program may go.
+    held[0] = 120
+    freed_memory.release_if_over_budget()
+    assert len(kept) == 0 and len(scorer) == 0 and budget.releases == 3
+    assert not budget.check()  # nothing left to drop
   finally:
     freed_memory.set_program_budget(None)
   with pytest.raises(ValueError, match="max_kept must be >= 1"):
-    freed_memory.KeptPrograms(jax.jit(double), max_kept=0)
+    freed_memory.KeptPrograms(jax.jit(double), phase="update", max_kept=0)

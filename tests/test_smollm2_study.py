@@ -148,6 +148,8 @@ def test_main_job_sweeps_are_five_seeds_and_two_algorithms_by_three(tmp_path):
   assert babyai.get_sweep("seeds") == [{"arg.seed": s} for s in range(5)]
   assert {(p["arg.algo"], p["arg.seed"]) for p in babyai.get_sweep("algos")} == {
       (a, s) for a in ("gigpo", "ppo") for s in (0, 1, 2)}
+  assert babyai.get_sweep("async") == [
+      {"rollout.max_staleness": 1, "algo.tis_cap": 2.0, "arg.seed": s} for s in (0, 1)]
   with pytest.raises(ValueError, match="Unknown sweep"):
     babyai.get_sweep("nope")
   # The docstring's command line: one RL run per seed, each in its own workdir.

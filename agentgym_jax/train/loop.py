@@ -156,10 +156,11 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
   ##############################################################################################
   #                                        Update step                                         #
   ##############################################################################################
-  # Its programs, and the scorers', outlive the drops of a program budget (below): it runs
-  # right after one, and would only load them again.
+  # Its program, and the scorers', outlive the drops of a program budget (below) that do not
+  # need them gone: each phase runs right after a drop, and would only load its program again.
   update_step = freed_memory.KeptPrograms(update_lib.make_update_step(
-      split.policy_def, split.critic_def, optimizers, update_cfg, mesh, split.shardings))
+      split.policy_def, split.critic_def, optimizers, update_cfg, mesh, split.shardings),
+                                          phase="update")
 
   ##############################################################################################
   #                                Checkpoint and resumption                                   #
@@ -179,7 +180,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> dict[str, float]:
       config=config, update=update_cfg, tok=tok, pool=pool, stream=stream, mesh=mesh,
       share=share, policy_def=split.policy_def,
       rollout=rollout, env=env, schedule=turn_limits, demos=demos,
-      scorers=tuple(scorer and freed_memory.KeptPrograms(scorer) for scorer in
+      scorers=tuple(scorer and freed_memory.KeptPrograms(scorer, phase="score") for scorer in
                     update_lib.make_scorers(split.policy_def, split.critic_def, update_cfg, mesh)),
       advantages=algorithm.make_advantage_fn(spec))
   make_batch = batches.bc_batch if config.mode == "bc" else batches.rl_batch

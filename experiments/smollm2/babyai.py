@@ -28,7 +28,8 @@ float32 on one CPU device (experiments/agentgym_rl/common.py `smollm2_on_cpu`).
   for run in /tmp/smollm2/seeds/seed=*; do python -m agentgym_jax.evaluate \
       --config=$cfg:stage=bc --checkpoint=$run --num_tasks=90 --output=$run/eval_all/step_24; done
   python -m agentgym_jax.report /tmp/smollm2/seeds --eval_dir=eval_all
-  # --sweep=algos: GiGPO and PPO, 3 seeds each, from the same BC run.
+  # --sweep=algos: GiGPO and PPO, 3 seeds each, from the same BC run; --sweep=async: the recipe
+  # with a rollout one update stale (rollout.max_staleness=1, algo.tis_cap=2), seeds 0 and 1.
 
 Config arguments: common.py (stage, algo, init, seed, runlocal).
 
@@ -93,11 +94,15 @@ def get_config(arg=None):
 
 
 def get_sweep(arg: str | None = None) -> sweeps.Sweep:
-  """"seeds": the RL stage at seeds 0-4; "algos": GiGPO and PPO at seeds 0-2 (run with
+  """"seeds": the RL stage at seeds 0-4; "algos": GiGPO and PPO at seeds 0-2; "async": the
+  recipe with a rollout one update stale (docs/async.md) at seeds 0-1 (run with
   :stage=rl,init=<the BC run>)."""
   if arg == "seeds":
     return sweeps.sweep("arg.seed", [0, 1, 2, 3, 4])
   if arg == "algos":
     return sweeps.product(sweeps.sweep("arg.algo", ["gigpo", "ppo"]),
                           sweeps.sweep("arg.seed", [0, 1, 2]))
-  raise ValueError(f"Unknown sweep {arg!r}; use 'seeds' or 'algos'.")
+  if arg == "async":
+    return sweeps.product(sweeps.fixed("rollout.max_staleness", 1),
+                          sweeps.fixed("algo.tis_cap", 2.0), sweeps.sweep("arg.seed", [0, 1]))
+  raise ValueError(f"Unknown sweep {arg!r}; use 'seeds', 'algos' or 'async'.")
