@@ -62,6 +62,8 @@ tasks of the 8 levels below, 5 turns, greedy:
     [+2.0, +18.9] (session 18).
   stage=rl,seed=3 and seed=4 with a warm compilation cache (commit 4a19a8e, session 18): 37.6
     minutes each, peaks 6.10 and 5.80 GiB.
+  commit 9f36c93 (2026-12-07, session 19), a fresh cache: BC 6.2 minutes (peak 4.41 GiB), RL
+    36.8 minutes (peak 5.63 GiB), "0.708 at step 24": BC + RL 42.9 minutes.
   sampled at T=1, 4 samples x 48 tasks, BC -> RL seed 0: success per sample 37.0% -> 56.2%,
     Pass@4 68.8% -> 77.1%.
   stage=rl with rollouts at temperature 1 (the earlier runs): 45.8-50.0% after 4-8 steps (GRPO),
