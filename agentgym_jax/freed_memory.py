@@ -45,7 +45,7 @@ A budget in bytes rather than programs keeps every program while memory allows (
 shapes repeat then loads nothing after its first steps) and drops them only when they would
 push the next peak too high.
 
-The programs of the phases a budget is asked before are exempt (`KeptPrograms`): the update and
+The programs of the phases a budget is asked before go last (`KeptPrograms`): the update and
 the scoring run right after a drop, so dropping their own programs lowered no peak and cost a
 reload at every step (most of what a second run of the main job's BC stage spent building:
 experiments/smollm2/README.md).
