@@ -1,6 +1,7 @@
 """Faults never poison training: failed episodes train nothing and stay out of the group
 baselines, a mostly failing run stops, SIGTERM saves and resumes exactly, a checkpoint write cut
-short never loses the run, and evaluation leaves failed episodes out of its table.
+short never loses the run, a full disk stops it with one line and the last checkpoint kept, and
+evaluation leaves failed episodes out of its table.
 
 The first and last tests run in this process against real env workers (and an env server);
 the others drive the trainer's command line in subprocesses, as tests/test_trainer.py does
@@ -311,6 +312,51 @@ def test_a_process_killed_while_saving_resumes_from_the_last_complete_checkpoint
   with open(os.path.join(workdir, "train.log")) as f:
     assert "Restored checkpoint 1" in f.read()
   assert saved_steps(workdir) == [2, 3]
+  assert [m["step"] for m in metrics(workdir)] == [1, 2, 3]
   assert not any("orbax-checkpoint-tmp" in n for n in os.listdir(os.path.join(workdir,
                                                                               "checkpoints")))
   assert [m["step"] for m in metrics(workdir)] == [1, 2, 3]
+
+
+# Stands in for `python -m agentgym_jax.train`: the disk under the checkpoints reports FREE_AFTER
+# bytes free from the second save on (the first one sees the real disk).
+_FULL_DISK = textwrap.dedent("""\
+    import os, runpy, shutil, sys
+    real, calls = shutil.disk_usage, []
+
+    def disk_usage(path):
+      calls.append(path)
+      usage = real(path)
+      return usage if len(calls) == 1 else usage._replace(free=int(os.environ["FREE_AFTER"]))
+
+    shutil.disk_usage = disk_usage
+    sys.argv[0] = "agentgym_jax.train"
+    runpy.run_module("agentgym_jax.train", run_name="__main__", alter_sys=True)
+    """)
+
+
+def test_a_full_disk_stops_the_run_with_one_line_and_keeps_the_last_checkpoint(
+    tmp_path, compile_cache, monkeypatch):
+  workdir = str(tmp_path / "run")
+  driver = tmp_path / "full_disk.py"
+  driver.write_text(_FULL_DISK)
+  monkeypatch.setenv("FREE_AFTER", "1000")
+  process = start_train(workdir, compile_cache, "--config.total_steps=3", driver=str(driver))
+  out, err = process.communicate(timeout=600)
+  assert process.returncode == 1, err[-3000:]
+  line = err.strip().splitlines()[-1]
+  assert line.startswith("FATAL: Checkpoint 2 needs ") and "GiB free: free disk space" in line, line
+  assert saved_steps(workdir) == [1]
+  assert not any("orbax-checkpoint-tmp" in n for n in os.listdir(os.path.join(workdir,
+                                                                              "checkpoints")))
+  train(workdir, compile_cache, "--config.total_steps=3")  # space again: resumed from 1
+  assert saved_steps(workdir) == [2, 3]
+  assert [m["step"] for m in metrics(workdir)] == [1, 2, 3]
+
+
+def test_a_checkpoint_counts_each_shard_once():
+  from agentgym_jax.train import checkpoints  # pylint: disable=import-outside-toplevel
+  mesh = jax.make_mesh((2, 2), ("data", "fsdp"), devices=jax.devices()[:4])
+  split = jax.device_put(np.zeros((8, 4), np.float32),  # halves, each on 2 devices
+                         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+  assert checkpoints.bytes_written({"split": split, "host": np.zeros(3, np.int32)}) == 128 + 12

@@ -73,7 +73,8 @@ def main(argv: list[str]) -> None:
   from agentgym_jax.train import loop  # pylint: disable=import-outside-toplevel
   try:
     loop.train(config, workdir)
-  except (loop.EnvironmentFailing, policies.InitFromError) as exc:
+  except (loop.EnvironmentFailing, policies.InitFromError,
+          loop.checkpoints.NoSpaceForCheckpoint) as exc:
     cli.fatal(str(exc))
   except Exception:
     if multi_process:

@@ -8,7 +8,10 @@ goes on; `close()` waits for the last one, so a finished checkpoint is never los
 process exits, and Orbax writes each step to a temporary directory that is renamed only when
 complete, so a crash mid-save leaves the previous checkpoints intact. The next start finds the
 temporary directories of such interrupted saves (`interrupted`), says so and deletes them;
-older checkpoints are deleted only once a newer one is complete.
+older checkpoints are deleted only once a newer one is complete. A save that the disk cannot
+hold is refused before it starts (`NoSpaceForCheckpoint`), with the sizes in its message: a
+full disk otherwise stops the run from Orbax's writer thread, mid-write, with an error that
+names neither.
 
 They are written under WORKDIR/`policies.CHECKPOINT_DIR`, where `policies.restore_policy` reads
 a run's policy back (evaluation, replay, a warm start) without the train state around it.
@@ -19,9 +22,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -45,6 +50,19 @@ def _abstract(tree: Any) -> Any:
   """Shape, dtype and sharding of every array: the restore target that places each shard."""
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+class NoSpaceForCheckpoint(OSError):
+  """The disk under a run's checkpoints cannot hold the next one."""
+
+
+def bytes_written(tree: Any) -> int:
+  """The bytes this process writes for `tree`'s arrays: its shards of replica 0."""
+  def written(x: Any) -> int:
+    if not isinstance(x, jax.Array):
+      return np.asarray(x).nbytes
+    return sum(shard.data.nbytes for shard in x.addressable_shards if shard.replica_id == 0)
+  return sum(written(x) for x in jax.tree.leaves(tree))
 
 
 def interrupted_saves(directory: str) -> list[int]:
@@ -92,8 +110,21 @@ class Checkpointer:
     return list(self._manager.all_steps())
 
   def save(self, step: int, state: TrainState, meta: dict[str, Any]) -> None:
-    """Starts saving `state` and `meta` as checkpoint `step` (returns before it is written)."""
-    args = ocp.args.Composite(state=ocp.args.StandardSave(_to_tree(state)),
+    """Starts saving `state` and `meta` as checkpoint `step` (returns before it is written).
+
+    Raises:
+      NoSpaceForCheckpoint: the disk has less free space than the checkpoint needs (nothing is
+        written; the older checkpoints stay).
+    """
+    self._manager.wait_until_finished()  # a save still being written takes its space first
+    tree = _to_tree(state)
+    needed, free = bytes_written(tree), shutil.disk_usage(self.directory).free
+    if needed > free:
+      raise NoSpaceForCheckpoint(
+          f"Checkpoint {step} needs {needed / 2**30:.2f} GiB and {self.directory} has "
+          f"{free / 2**30:.2f} GiB free: free disk space and rerun "
+          f"with the same --workdir to resume from the last checkpoint.")
+    args = ocp.args.Composite(state=ocp.args.StandardSave(tree),
                               meta=ocp.args.JsonSave(dict(meta, step=int(step))))
     self._manager.save(int(step), args=args, force=True)
 
