@@ -48,6 +48,14 @@ def test_study_configs_build_and_lock(env, arg):
     c.not_a_field = 1
 
 
+def test_lora_trains_adapters_at_10x_the_recipes_rate_in_float32():
+  from experiments.smollm2 import babyai  # pylint: disable=import-outside-toplevel
+  full, lora = (babyai.get_config(f"stage=rl,init=/tmp/bc{arg}") for arg in ("", ",lora=16"))
+  assert (full.model.lora_rank, lora.model.lora_rank) == (0, 16)
+  assert lora.optim.lr == 10 * full.optim.lr and lora.optim.critic_lr == full.optim.critic_lr
+  assert lora.model.dtype == full.model.dtype == "float32"
+
+
 def test_textcraft_demonstrations_take_each_depth_in_turn():
   """TextCraft's train split lists its 94 depth-1 goals (ids 31-124; 0-30 are test goals)
   before its depth-2 ones (from 125): balanced BC takes one of each in turn."""
@@ -78,7 +86,7 @@ def test_textcraft_rl_trains_on_depth1_and_evaluates_both_depths():
 
 
 @pytest.mark.parametrize("arg", ["stage=rl", "stage=sft", "stage=rl,init=/x,algo=dpo",
-                                 "stage=bc,lr=1"])
+                                 "stage=bc,lr=1", "stage=bc,lora=16"])
 def test_study_config_rejects_bad_arguments(arg):
   from experiments.smollm2 import babyai  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError):

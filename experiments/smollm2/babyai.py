@@ -30,8 +30,11 @@ float32 on one CPU device (experiments/agentgym_rl/common.py `smollm2_on_cpu`).
   python -m agentgym_jax.report /tmp/smollm2/seeds --eval_dir=eval_all
   # --sweep=algos: GiGPO and PPO, 3 seeds each, from the same BC run; --sweep=async: the recipe
   # with a rollout one update stale (rollout.max_staleness=1, algo.tis_cap=2), seeds 0 and 1.
+  # LoRA instead of full fine-tuning (rank-16 adapters over the frozen BC policy):
+  python -m agentgym_jax.train --config=$cfg:stage=rl,init=/tmp/smollm2/bc,lora=16 \
+      --workdir=/tmp/smollm2/grpo_lora16
 
-Config arguments: common.py (stage, algo, init, seed, runlocal).
+Config arguments: common.py (stage, algo, init, seed, lora, runlocal).
 
 Measured (2026-12-05, seed 0 unless said, 2 CPU cores; README.md has every number, the
 earlier runs' commands and which runs shared the machine), held-out = the first 48 test

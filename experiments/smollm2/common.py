@@ -11,6 +11,10 @@ Config arguments (`--config=experiments/smollm2/<env>.py:k=v,...`):
             algo=grpo runs Dr.GRPO (group mean, no std division).
   init      the BC run's workdir (stage=rl).
   seed      run seed.
+  lora      0 (full fine-tuning) | R: the RL stage trains LoRA adapters of rank R over the BC
+            policy's frozen weights, at 10x the recipe's learning rate (as the paper configs'
+            lora=R), the weights kept in float32 (XLA:CPU's fast path; the paper configs
+            store them in bfloat16 to fit a TPU chip).
   runlocal  a smoke run of the stage: one step of two rows, 2 turns, 2 held-out tasks.
 """
 
@@ -44,13 +48,16 @@ class EnvSetting:
 
 
 def parse(arg: str | None) -> ml_collections.ConfigDict:
-  args = base.parse_arg(arg, stage="zero_shot", algo="grpo", init="", seed=0, runlocal=False)
+  args = base.parse_arg(arg, stage="zero_shot", algo="grpo", init="", seed=0, lora=0,
+                        runlocal=False)
   if args.stage not in STAGES:
     raise ValueError(f"Config argument stage={args.stage!r} is not one of {list(STAGES)}.")
   if args.algo not in ALGORITHMS:
     raise ValueError(f"Config argument algo={args.algo!r} is not one of {list(ALGORITHMS)}.")
   if args.stage == "rl" and not args.init:
     raise ValueError("stage=rl starts from a BC run: add init=<the BC run's workdir>.")
+  if args.lora and args.stage != "rl":
+    raise ValueError(f"lora={args.lora} applies to stage=rl only (got stage={args.stage}).")
   return args
 
 
@@ -123,6 +130,10 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     # policy's rate, the paper's ratio (1e-5 to 1e-6): at the policy's own 1e-5 its values stay
     # near 0 for the whole of a short run, and GAE's advantage is then the return alone.
     c.optim.critic_lr = 10 * c.optim.lr
+    if args.lora:
+      # The adapters' own rate: LoRA's best is about 10x full fine-tuning's (with_lora).
+      c.model.lora_rank = args.lora
+      c.optim.lr = 10 * c.optim.lr
     # A refused action (BabyAI: "go to red ball" when no such action is listed, repeated to
     # the turn limit, the BC policy's main failure) costs 0.1: the outcome estimators score an
     # episode by its summed reward, so groups whose samples all fail still rank them by how
