@@ -130,7 +130,7 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     # policy's rate, the paper's ratio (1e-5 to 1e-6): at the policy's own 1e-5 its values stay
     # near 0 for the whole of a short run, and GAE's advantage is then the return alone.
     c.optim.critic_lr = 10 * c.optim.lr
-    if args.lora:
+    if args.get("lora", 0):  # (horizons.py and multienv.py pass no lora)
       # The adapters' own rate: LoRA's best is about 10x full fine-tuning's (with_lora).
       c.model.lora_rank = args.lora
       c.optim.lr = 10 * c.optim.lr
