@@ -217,7 +217,9 @@ def read_run(workdir: str, *, split: str = "test", before_step: int | None = Non
 
 def find_groups(workdirs: Sequence[str], eval_dir: str = EVAL_DIR) -> dict[str, list[str]]:
   """Group label -> the run workdirs pooled in it: per argument, its runs (itself, or its
-  sub-directories) grouped by their names without the `seed=` component.
+  sub-directories) grouped by their names without the `seed=` component; runs given as
+  arguments themselves pool with each other the same way (e.g. seeds 0 and 1 of one recipe
+  from two sweeps' workdirs).
 
   Raises:
     ReportError: an argument that is not a directory or holds no run with evaluations.
@@ -234,8 +236,11 @@ def find_groups(workdirs: Sequence[str], eval_dir: str = EVAL_DIR) -> dict[str, 
                         "eval.every_steps > 0).")
     top = os.path.basename(os.path.normpath(workdir))
     for run in runs:
-      name = sweeps.group_name(os.path.basename(os.path.normpath(run))) if run != workdir else ""
-      label = f"{top}/{name}" if name else top
+      if run == workdir:  # a run itself: pooled with the runs given beside it that share its name
+        label = sweeps.group_name(top) or top
+      else:
+        name = sweeps.group_name(os.path.basename(os.path.normpath(run)))
+        label = f"{top}/{name}" if name else top
       groups.setdefault(label, []).append(run)
   return groups
 

@@ -149,6 +149,17 @@ def test_runs_group_by_name_without_their_seed(tmp_path):
       f"{top}/algo=ppo": ["algo=ppo,seed=0", "algo=ppo,seed=1"]}
 
 
+def test_runs_given_one_by_one_pool_by_name_without_their_seed(tmp_path):
+  runs = [tmp_path / "a" / "algo=ppo,seed=0", tmp_path / "b" / "algo=ppo,seed=1",
+          tmp_path / "b" / "algo=grpo,seed=0", tmp_path / "c" / "seed=2"]
+  for run in runs:
+    (run / "eval").mkdir(parents=True)
+  groups = report.find_groups([str(run) for run in runs])
+  assert {k: [os.path.relpath(p, tmp_path) for p in v] for k, v in groups.items()} == {
+      "algo=ppo": ["a/algo=ppo,seed=0", "b/algo=ppo,seed=1"],
+      "algo=grpo": ["b/algo=grpo,seed=0"], "seed=2": ["c/seed=2"]}
+
+
 # ----- bad input ------------------------------------------------------------------------------
 
 
