@@ -33,6 +33,10 @@ float32 on one CPU device (experiments/agentgym_rl/common.py `smollm2_on_cpu`).
   # LoRA instead of full fine-tuning (rank-16 adapters over the frozen BC policy):
   python -m agentgym_jax.train --config=$cfg:stage=rl,init=/tmp/smollm2/bc,lora=16 \
       --workdir=/tmp/smollm2/grpo_lora16
+  # (its checkpoints hold adapters: evaluate them with that config, eval.rows as stage=bc's)
+  python -m agentgym_jax.evaluate --config=$cfg:stage=rl,init=/tmp/smollm2/bc,lora=16 \
+      --config.eval.rows=8 --checkpoint=/tmp/smollm2/grpo_lora16 --num_tasks=90 \
+      --output=/tmp/smollm2/grpo_lora16/eval_all/step_24
 
 Config arguments: common.py (stage, algo, init, seed, lora, runlocal).
 
