@@ -357,5 +357,10 @@ def _check_same_shapes(saved: dict[str, tuple[int, ...]], target: Any) -> None:
     return
   differ = [f"{k}: saved {saved.get(k, 'missing')} vs config {wanted.get(k, 'missing')}"
             for k in sorted(set(saved) | set(wanted)) if saved.get(k) != wanted.get(k)]
+  ranks = {shape[-1] for k, shape in saved.items() if k.endswith("/lora_a")}
+  adapters = {k for k in set(saved) ^ set(wanted) if "/lora/" in k}
+  fix = ("use that run's model.lora_rank "
+         f"({'0' if not ranks else ', '.join(map(str, sorted(ranks)))}: the config's differs)"
+         if adapters else "use that run's model.arch and tokenizer")
   raise ValueError(f"the checkpoint holds a policy of another shape ({len(differ)} arrays "
-                   f"differ; {'; '.join(differ[:3])}); use that run's model.arch and tokenizer")
+                   f"differ; {'; '.join(differ[:3])}); {fix}")

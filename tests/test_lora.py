@@ -335,3 +335,17 @@ def test_a_training_run_with_adapters_checkpoints_resumes_and_exports_merged(tmp
        f"--output={tmp_path / 'eval'}", "--num_tasks=2")
   with open(tmp_path / "eval" / "eval_test.json") as f:
     assert "step 2" in json.load(f)["label"]
+
+
+def test_a_checkpoint_with_or_without_adapters_names_the_lora_rank_to_use():
+  from agentgym_jax import policies  # pylint: disable=import-outside-toplevel
+  base = {"backbone/layers/0/attn/q/kernel": np.zeros((8, 8))}
+  adapters = {"backbone/layers/0/lora/q/lora_a": (8, 4), "backbone/layers/0/lora/q/lora_b": (4, 8)}
+  saved = {"backbone/layers/0/attn/q/kernel": (8, 8), **adapters}
+  with pytest.raises(ValueError, match=r"use that run's model.lora_rank \(4: "):
+    policies._check_same_shapes(saved, base)  # pylint: disable=protected-access
+  target = dict(base, **{k: np.zeros(v) for k, v in adapters.items()})
+  with pytest.raises(ValueError, match=r"use that run's model.lora_rank \(0: "):
+    policies._check_same_shapes({"backbone/layers/0/attn/q/kernel": (8, 8)}, target)  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="use that run's model.arch and tokenizer"):
+    policies._check_same_shapes({"backbone/layers/0/attn/q/kernel": (8, 9)}, base)  # pylint: disable=protected-access
