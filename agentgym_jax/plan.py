@@ -311,18 +311,28 @@ class Program:
 _EXCEEDS = re.compile(r"Used ([\d.]+)([KMGT]) of [\d.]+[KMGT] hbm|"
                       r"temporaries \(([\d.]+)([KMGT])\) exceeds available HBM")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+# libtpu's refusal of a program over some of the chips of several hosts, on a slice with
+# "limited ICI routing" (the asynchronous rollout's train group with rollout.devices > 0):
+# v5e-64 refuses it, v5e-16 and v4-32 compile it; one host's chips always compile.
+_PART_OF_THE_SLICE = "device assignment should include all slice devices"
 
 
 def _compile(name: str, lower: Callable[[], Any], resident: int = 0) -> Program:
   """Compiles `lower()` (a jax Lowered) and reads its per-device memory.
 
   A program too big for the chip comes back with `needed` (libtpu's count) instead of
-  raising; any other compile error is raised.
+  raising; a program that libtpu refuses to place on part of the slice raises ValueError,
+  in one line; any other compile error is raised.
   """
   start = time.perf_counter()
   try:
     compiled = lower().compile()
   except Exception as exc:  # pylint: disable=broad-except
+    if _PART_OF_THE_SLICE in str(exc):
+      raise ValueError(
+          f"{name}: libtpu compiles no program over part of this slice's hosts' chips "
+          f"('{_PART_OF_THE_SLICE}'); run the asynchronous rollout on the trainer's chips on "
+          "this slice (rollout.devices=0)") from exc
     found = _EXCEEDS.search(str(exc))
     if "RESOURCE_EXHAUSTED" not in str(exc) or not found:
       raise

@@ -265,6 +265,19 @@ def test_the_plan_compiles_each_groups_programs_on_its_own_chips():
   assert score.resident > plan.per_chip_bytes(run.state.policy)  # the train state's share
 
 
+def test_a_split_that_libtpu_will_not_place_is_one_line_naming_the_program():
+  # On a v5e-64 (16 hosts) libtpu places no program on some chips of every host: the train
+  # group's scorer is refused (the rollout's, on one host's chip, compiles).
+  tpu_slices.require_libtpu()
+  config = _keypad()
+  config.update_from_flattened_dict({
+      "data.batch_tasks": 6, "data.group_size": 8, "rollout.devices": 1,
+      "rollout.max_staleness": 1, "algo.tis_cap": 2.0, "algo.kl_coef": 0.01})
+  with pytest.raises(ValueError, match=r"^score_logprobs: libtpu compiles no program over part "
+                     r"of this slice's hosts' chips .*\(rollout.devices=0\)$"):
+    plan.plan(config, tpus.Slice.parse("v5e-64"), only=("rollout_extend", "score_logprobs"))
+
+
 # ----- whole runs through the command line -----------------------------------------------------
 
 @pytest.fixture(scope="module")
