@@ -242,14 +242,20 @@ def _keypad():
   return module.get_config("runlocal")
 
 
-def test_the_plan_compiles_each_groups_programs_on_its_own_chips():
-  # Keypad's tiny model on a v5e-16 split as above; the rollout's extend on one host's rollout
-  # chip and the scorer (a KL reference makes the step score) on the 12 train chips.
+def _split_keypad():
+  """Keypad's tiny model at staleness 1 with 1 chip of each host rolling out (libtpu needed)."""
   tpu_slices.require_libtpu()
   config = _keypad()
   config.update_from_flattened_dict({
       "data.batch_tasks": 6, "data.group_size": 8, "rollout.devices": 1,
       "rollout.max_staleness": 1, "algo.tis_cap": 2.0, "algo.kl_coef": 0.01})
+  return config
+
+
+def test_the_plan_compiles_each_groups_programs_on_its_own_chips():
+  # Keypad's tiny model on a v5e-16 split as above; the rollout's extend on one host's rollout
+  # chip and the scorer (a KL reference makes the step score) on the 12 train chips.
+  config = _split_keypad()
   target = tpus.Slice.parse("v5e-16")
   programs, _ = plan.plan(config, target, only=("rollout_extend", "score_logprobs"))
   extend, score = programs
@@ -268,11 +274,7 @@ def test_the_plan_compiles_each_groups_programs_on_its_own_chips():
 def test_a_split_that_libtpu_will_not_place_is_one_line_naming_the_program():
   # On a v5e-64 (16 hosts) libtpu places no program on some chips of every host: the train
   # group's scorer is refused (the rollout's, on one host's chip, compiles).
-  tpu_slices.require_libtpu()
-  config = _keypad()
-  config.update_from_flattened_dict({
-      "data.batch_tasks": 6, "data.group_size": 8, "rollout.devices": 1,
-      "rollout.max_staleness": 1, "algo.tis_cap": 2.0, "algo.kl_coef": 0.01})
+  config = _split_keypad()
   with pytest.raises(ValueError, match=r"^score_logprobs: libtpu compiles no program over part "
                      r"of this slice's hosts' chips .*\(rollout.devices=0\)$"):
     plan.plan(config, tpus.Slice.parse("v5e-64"), only=("rollout_extend", "score_logprobs"))
