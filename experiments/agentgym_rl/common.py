@@ -182,14 +182,14 @@ def _config(arg: str | None, experiment: Experiment) -> ml_collections.ConfigDic
   return base.lock(c)
 
 
-def with_lora(c: ml_collections.ConfigDict, rank: int) -> None:
+def with_lora(c: ml_collections.ConfigDict, rank: int, base_dtype: str = "bfloat16") -> None:
   """LoRA of rank `rank` instead of full fine-tuning (models/lora.py): adapters on every
-  block's projections (scale model.lora_alpha / rank), the frozen base weights in bfloat16
-  (no optimizer moments and no float32 master copy for them), and 10x the recipe's learning
-  rate: LoRA's best learning rate is about 10x full fine-tuning's (Schulman et al. 2025,
-  "LoRA Without Regret", Thinking Machines Lab)."""
+  block's projections (scale model.lora_alpha / rank), the frozen base weights in `base_dtype`
+  (bfloat16: no optimizer moments and no float32 master copy for them; a CPU keeps float32,
+  its fast path), and 10x the recipe's learning rate: LoRA's best learning rate is about 10x
+  full fine-tuning's (Schulman et al. 2025, "LoRA Without Regret", Thinking Machines Lab)."""
   c.model.lora_rank = rank
-  c.model.dtype = "bfloat16"
+  c.model.dtype = base_dtype
   c.optim.lr = 10 * c.optim.lr
 
 

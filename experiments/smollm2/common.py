@@ -131,9 +131,7 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     # near 0 for the whole of a short run, and GAE's advantage is then the return alone.
     c.optim.critic_lr = 10 * c.optim.lr
     if args.get("lora", 0):  # (horizons.py and multienv.py pass no lora)
-      # The adapters' own rate: LoRA's best is about 10x full fine-tuning's (with_lora).
-      c.model.lora_rank = args.lora
-      c.optim.lr = 10 * c.optim.lr
+      agentgym_rl.with_lora(c, args.lora, base_dtype=c.model.dtype)
     # A refused action (BabyAI: "go to red ball" when no such action is listed, repeated to
     # the turn limit, the BC policy's main failure) costs 0.1: the outcome estimators score an
     # episode by its summed reward, so groups whose samples all fail still rank them by how
