@@ -124,15 +124,21 @@ def task_splits(name: str, env_name: str | None = None) -> dict[str, list[int]]:
   return {split: ids for split, ids in splits.items() if split != "categories"}
 
 
-def task_categories(name: str, env_name: str | None = None) -> dict[int, str]:
-  """Task id -> the category that `reset` reports in info["category"], from the split file.
+def task_categories(name: str, env_name: str | None = None,
+                    env_kwargs: dict | None = None) -> dict[int, str]:
+  """Task id -> the category that `reset` reports in info["category"], from the split file,
+  for a local environment built with `env_kwargs` (`TextEnv.task_categories`: BabyAI's
+  `levels` change which level an id is).
 
   A remote environment's server does not send it (AgentGym's protocol has no field for it),
   so `environments.client` fills it in from here; evaluation groups its columns by it. Empty
   for environments whose split file lists no categories.
   """
   categories = _split_file(name, env_name).get("categories", {})
-  return {int(task_id): category for task_id, category in categories.items()}
+  shipped = {int(task_id): category for task_id, category in categories.items()}
+  if not env_kwargs or name == "remote":
+    return shipped
+  return env_class(name).task_categories(shipped, **env_kwargs)
 
 
 def _split_file(name: str, env_name: str | None) -> dict:

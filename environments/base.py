@@ -143,6 +143,15 @@ class TextEnv(gymnasium.Env, abc.ABC):
     raise NotImplementedError(f"{self.name or type(self).__name__} has no random_action(); "
                               "expert noise (bc.noise > 0) needs one.")
 
+  @classmethod
+  def task_categories(cls, shipped: dict[int, str], **kwargs) -> dict[int, str]:
+    """Task id -> the category `reset` reports in an environment built with `kwargs`.
+
+    `shipped` is the split file's mapping, written for the default arguments; an environment
+    whose arguments change which task an id is (BabyAI's `levels`) maps them again."""
+    del kwargs
+    return shipped
+
 
 class ReActEnv(TextEnv):
   """A TextEnv whose agent replies in AgentGym's ReAct format, "Thought: ... Action: ...".

@@ -6,6 +6,8 @@ episodes: identical observations, rewards and `done` in every step. The strings 
 come from that implementation; the first one is the example in AgentGym's notes.
 """
 
+import dataclasses
+
 import gymnasium
 import pytest
 
@@ -279,3 +281,24 @@ def test_minigrid_pin_and_mission_differences_are_documented_beside_the_env():
   env = BabyAIEnv()
   for task_id, mission in documented.items():
     assert env.reset(options={"task_id": int(task_id)})[1]["mission"] == mission
+
+
+def test_categories_follow_the_levels_argument():
+  """With `levels`, id N is levels[N % k]: the categories that filter and balance tasks
+  (`environments.task_categories`) are the levels `reset` reports, not the split file's."""
+  from agentgym_jax.rollout import envs  # pylint: disable=import-outside-toplevel
+  levels = ("PickupLoc", "GoToRedBall")
+  categories = environments.task_categories("babyai", env_kwargs={"levels": levels})
+  assert environments.task_categories("babyai")[2] == "GoToRedBallNoDists"  # over all 40
+  assert set(categories) == set(environments.task_categories("babyai"))  # every split id
+  assert (categories[0], categories[1], categories[2]) == ("PickupLoc", "GoToRedBall",
+                                                           "PickupLoc")
+  env = BabyAIEnv(levels=levels)
+  for task_id in sorted(categories)[:3] + sorted(categories)[-3:]:
+    assert env.reset(options={"task_id": task_id})[1]["category"] == categories[task_id]
+  settings = envs.EnvSettings(name="babyai", kwargs={"levels": levels},
+                              categories=("PickupLoc",))
+  test = envs.task_splits(settings)["test"]
+  assert test and all(t % 2 == 0 for t in test)
+  with pytest.raises(ValueError, match="GoToObjS6"):  # a level the run does not have
+    envs.task_splits(dataclasses.replace(settings, categories=("GoToObjS6",)))

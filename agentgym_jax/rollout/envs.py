@@ -199,11 +199,13 @@ def task_splits(env: EnvSettings) -> dict[str, list[int]]:
 
 def _of_categories(env: EnvSettings, task_ids: Sequence[int], wanted: Sequence[str],
                    field: str) -> list[int]:
-  """The tasks of `task_ids` whose category (the split file's) is in `wanted`; all of them
-  when `wanted` is empty. Raises ValueError naming `field` for a category the file lacks."""
+  """The tasks of `task_ids` whose category (`environments.task_categories`) is in `wanted`;
+  all of them when `wanted` is empty. Raises ValueError naming `field` for a category that no
+  task has."""
   if not wanted:
     return list(task_ids)
-  categories = environments.task_categories(env.name, env.kwargs.get("env_name"))
+  categories = environments.task_categories(env.name, env.kwargs.get("env_name"),
+                                              env_kwargs=dict(env.kwargs))
   unknown = set(wanted) - set(categories.values())
   if unknown:
     raise ValueError(f"config.{field} names {sorted(unknown)}, which {served_name(env)}'s "
@@ -251,7 +253,8 @@ def interleave_categories(env: EnvSettings, task_ids: Sequence[int]) -> list[int
   """`task_ids` reordered to take one task of each category in turn, categories in the order
   they first appear and tasks in their given order within each; uncategorised tasks form one
   category of their own. [a1, a2, a3, b1, b2] -> [a1, b1, a2, b2, a3]."""
-  categories = environments.task_categories(env.name, env.kwargs.get("env_name"))
+  categories = environments.task_categories(env.name, env.kwargs.get("env_name"),
+                                              env_kwargs=dict(env.kwargs))
   by_category: dict[str | None, list[int]] = {}
   for task_id in task_ids:
     by_category.setdefault(categories.get(task_id), []).append(task_id)

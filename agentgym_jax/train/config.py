@@ -169,9 +169,8 @@ def base_config() -> ml_collections.ConfigDict:
   # env.name "remote" on several hosts: one env-service URL per host; process i uses
   # urls[i % len(urls)] as its env.kwargs.url (launch/env_server.sh starts the services).
   c.env.urls = ()
-  # Task categories to keep, as the environment's split file lists them for its default
-  # constructor arguments (TextCraft's "depth1"-"depth4", SciWorld's task types, SearchQA's
-  # sources); every split, so training, demonstrations and evaluation alike, keeps only its
+  # Task categories to keep, as `reset` reports them for env.kwargs (TextCraft's "depth1"-
+  # "depth4", SciWorld's task types, SearchQA's sources, BabyAI's levels); every split, so training, demonstrations and evaluation alike, keeps only its
   # tasks of these categories. Empty: every task.
   c.env.categories = ()
   # Several environments in one run (env.name = "mix"): {label: member}, each member a

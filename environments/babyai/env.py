@@ -125,6 +125,14 @@ class BabyAIEnv(ReActEnv):
 
   # ----- TextEnv ---------------------------------------------------------------------------
 
+  @classmethod
+  def task_categories(cls, shipped: dict[int, str], **kwargs) -> dict[int, str]:
+    """The split file names each id's level over all 40; with `levels`, id N is levels[N % k]."""
+    levels = kwargs.get("levels")
+    if not levels:
+      return shipped
+    return {task_id: level_of(task_id, tuple(levels))[0] for task_id in shipped}
+
   def _reset(self, task_id: int) -> tuple[str, dict[str, Any]]:
     if task_id < 0:
       raise ValueError(f"babyai: task ids are >= 0, got {task_id}.")
