@@ -56,6 +56,10 @@ CASES = [
                                      "--choices",
                                      "blockwise/scan/remat,blockwise/unroll/remat/bf16",
                                      "--heads", "agent", "--repeats", "1"], RATIO, id="memory"),
+    # Four processes: a compile and a load for each layer loop.
+    pytest.param("compile_bench.py", ["--config", "experiments/keypad/learn.py:runlocal",
+                                      "--length", "64", "--repeats", "1"], RATIO,
+                 id="compile"),
     pytest.param("run_memory_bench.py", [], r"peak RSS: \d+ MiB", id="run-memory",
                  marks=pytest.mark.slow),
     # Four short training runs (a warm-up and a timed run of each mode).
