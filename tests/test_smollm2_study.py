@@ -245,17 +245,37 @@ def test_smollm2_grpo_from_bc_gains_greedy_success_on_babyai(tmp_path):
         f"--config={CONFIG}:{args}", f"--workdir={workdir}",
         f"--config.eval.num_tasks={EVAL_TASKS}",
         # BC evaluates its start here (zero-shot), which the study takes from stage=zero_shot.
-        *(["--config.eval.at_start=True"] if "bc" in args else [])],
+        *(["--config.eval.at_start=True"] if args == "stage=bc" else [])],
         cache, timeout=4 * 3600)
     assert result.returncode == 0, result.stderr[-3000:]
-  zero_shot, after_bc = [m["eval/success_rate"] for m in metrics(bc) if "eval/success_rate" in m]
-  rl_metrics = metrics(rl)
-  # The RL stage does not evaluate its start (eval.at_start=False): greedy on the same tasks,
-  # it is the BC run's last evaluation.
-  (after_rl,) = [m["eval/success_rate"] for m in rl_metrics if "eval/success_rate" in m]
+  check_gains(metrics(bc), metrics(rl), rl_steps)
+
+
+def check_gains(bc_metrics: list[dict], rl_metrics: list[dict], rl_steps: int) -> None:
+  """The margins above, on the metrics of a BC run that evaluated its start and of the RL run
+  from it, which evaluated its end (and its start, the same greedy tasks, if asked)."""
+  zero_shot, after_bc = [m["eval/success_rate"] for m in bc_metrics if "eval/success_rate" in m]
+  evals = {m["step"]: m["eval/success_rate"] for m in rl_metrics if "eval/success_rate" in m}
+  assert set(evals) <= {0, rl_steps} and evals.get(0, after_bc) == after_bc, evals
+  after_rl = evals[rl_steps]
   print(f"\nheld-out greedy: zero-shot {zero_shot}, BC {after_bc}, Dr.GRPO {after_rl}")
   assert zero_shot == 0.0
   assert after_bc >= zero_shot + BC_LIFT
   assert after_rl >= after_bc + RL_GAIN
   kls = [m["actor/kl"] for m in rl_metrics if "actor/kl" in m]
   assert len(kls) == rl_steps and max(kls) < MAX_KL
+
+
+@pytest.mark.parametrize("after_rl,max_kl,passes", [(0.75, 0.08, True), (0.5, 0.08, False),
+                                                    (0.75, 0.3, False)])
+def test_the_gain_check_holds_the_study_margins(after_rl, max_kl, passes):
+  """Golden: BC 6/16 from 0/16; RL 12/16 passes, 8/16 (+2 tasks) or a KL of 0.3 does not."""
+  bc = [{"step": 0, "eval/success_rate": 0.0}, {"step": 8, "eval/success_rate": 0.375}]
+  rl = [{"step": 0, "eval/success_rate": 0.375}]  # an RL run that evaluated its start too
+  rl += [{"step": s, "actor/kl": max_kl if s == 3 else 0.01} for s in range(1, 25)]
+  rl[-1]["eval/success_rate"] = after_rl
+  if passes:
+    check_gains(bc, rl, 24)
+  else:
+    with pytest.raises(AssertionError):
+      check_gains(bc, rl, 24)
