@@ -71,6 +71,9 @@ tasks of the 8 levels below, 5 turns, greedy:
     minutes each, peaks 6.10 and 5.80 GiB.
   commit 9f36c93 (2026-12-07, session 19), a fresh cache: BC 6.2 minutes (peak 4.41 GiB), RL
     36.8 minutes (peak 5.63 GiB), "0.708 at step 24": BC + RL 42.9 minutes.
+  stage=bc with the update's blocks as a scan (2026-12-07, session 21), a fresh cache: 4.5
+    minutes (peak 4.29 GiB), "0.542 at step 8"; the same again in that cache: 3.6 minutes,
+    10.9 of the first run's 76.0 build seconds.
   sampled at T=1, 4 samples x 48 tasks, BC -> RL seed 0: success per sample 37.0% -> 56.2%,
     Pass@4 68.8% -> 77.1%.
   stage=rl with rollouts at temperature 1 (the earlier runs): 45.8-50.0% after 4-8 steps (GRPO),
