@@ -205,7 +205,7 @@ def _of_categories(env: EnvSettings, task_ids: Sequence[int], wanted: Sequence[s
   if not wanted:
     return list(task_ids)
   categories = environments.task_categories(env.name, env.kwargs.get("env_name"),
-                                              env_kwargs=dict(env.kwargs))
+                                            env_kwargs=dict(env.kwargs))
   unknown = set(wanted) - set(categories.values())
   if unknown:
     raise ValueError(f"config.{field} names {sorted(unknown)}, which {served_name(env)}'s "
@@ -254,7 +254,7 @@ def interleave_categories(env: EnvSettings, task_ids: Sequence[int]) -> list[int
   they first appear and tasks in their given order within each; uncategorised tasks form one
   category of their own. [a1, a2, a3, b1, b2] -> [a1, b1, a2, b2, a3]."""
   categories = environments.task_categories(env.name, env.kwargs.get("env_name"),
-                                              env_kwargs=dict(env.kwargs))
+                                            env_kwargs=dict(env.kwargs))
   by_category: dict[str | None, list[int]] = {}
   for task_id in task_ids:
     by_category.setdefault(categories.get(task_id), []).append(task_id)

@@ -170,8 +170,9 @@ def base_config() -> ml_collections.ConfigDict:
   # urls[i % len(urls)] as its env.kwargs.url (launch/env_server.sh starts the services).
   c.env.urls = ()
   # Task categories to keep, as `reset` reports them for env.kwargs (TextCraft's "depth1"-
-  # "depth4", SciWorld's task types, SearchQA's sources, BabyAI's levels); every split, so training, demonstrations and evaluation alike, keeps only its
-  # tasks of these categories. Empty: every task.
+  # "depth4", SciWorld's task types, SearchQA's sources, BabyAI's levels); every split, so
+  # training, demonstrations and evaluation alike, keeps only its tasks of these categories.
+  # Empty: every task.
   c.env.categories = ()
   # Several environments in one run (env.name = "mix"): {label: member}, each member a
   # ConfigDict of name (in environments.REGISTRY), ratio (its share of each batch's tasks;
