@@ -4,8 +4,8 @@ layer loop.
 For each --loops choice, a fresh compilation cache and two processes: the first compiles the
 trainer's update for one row of --length tokens (`memory_bench.seconds_per_update`: random
 weights and tokens, the main job's loss mask) and times it; the second, the same program, which
-it loads from the first's cache. Build seconds are JAX's own events over each process
-(`caches.CompileCounter`'s: the backend compile, and within it a cache hit's load), so they
+it loads from the first's cache. Build seconds are each process's `caches.CompileCounter`
+(JAX's events: the backend compile, and within it a cache hit's load), so they
 include the few small programs that initialise the weights; with a real model the update's
 are nearly all of them.
 
@@ -26,28 +26,21 @@ import tempfile
 
 
 def child(config_spec: str, length: int, loop: str, repeats: int) -> dict:
-  """In this process: the update of one `length`-token row with `loop`, its build seconds
-  (compile, and the part that was a cache hit's load) and its fastest step."""
+  """In this process: the update of one `length`-token row with `loop` (the main job's
+  blockwise attention and remat), its build seconds (compile, and the part that was a cache
+  hit's load) and its fastest step."""
   import jax  # pylint: disable=import-outside-toplevel
-  from jax import monitoring  # pylint: disable=import-outside-toplevel
   from agentgym_jax import caches  # pylint: disable=import-outside-toplevel
-  caches.use_compilation_cache(os.environ["COMPILE_BENCH_CACHE"])
-  seconds: dict[str, float] = {}
-  monitoring.register_event_duration_secs_listener(
-      lambda name, secs, **_: seconds.__setitem__(name, seconds.get(name, 0.0) + secs))
-  import memory_bench  # pylint: disable=import-outside-toplevel
   from agentgym_jax import plan as plan_lib  # pylint: disable=import-outside-toplevel
-  config = memory_bench.load_config(config_spec)
-  with config.unlocked():
-    config.data.batch_tasks = config.data.group_size = 1
-    config.algo.minibatches = config.algo.microbatches = config.algo.epochs = 1
-    config.algo.pack_rows = 1
-    config.rollout.max_context = length
-    config.model.layer_loop = loop
+  import memory_bench  # pylint: disable=import-outside-toplevel
+  caches.use_compilation_cache(os.environ["COMPILE_BENCH_CACHE"])
+  counter = caches.CompileCounter()
+  config = memory_bench.one_row_config(config_spec, memory_bench.Choice("auto", loop, True),
+                                       length)
   run = plan_lib.Run.build(config, jax.devices()[:1])
   step = memory_bench.seconds_per_update(run, length, repeats, memory_bench.HEADS["agent"](length))
-  return {"build": seconds.get(caches._BACKEND_COMPILE, 0.0),  # pylint: disable=protected-access
-          "load": seconds.get(caches._CACHE_RETRIEVAL, 0.0),  # pylint: disable=protected-access
+  built = counter.take()
+  return {"build": built["compile/seconds"], "load": built["compile/load_seconds"],
           "tokens_per_s": length / step}
 
 
