@@ -163,11 +163,15 @@ def _config(workdir: str) -> dict[str, Any]:
     return json.load(f)
 
 
-def _start_evaluation(init: str | None, steps: dict[int, str], eval_dir: str = EVAL_DIR
-                      ) -> tuple[str, int, str] | None:
+def _start_evaluation(workdir: str, init: str | None, steps: dict[int, str],
+                      eval_dir: str = EVAL_DIR) -> tuple[str, int, str] | None:
   """(run, step, report directory) of the evaluation of the checkpoint a run started from
-  (its `init` run), when it did not evaluate step 0 itself and that run evaluated."""
-  if 0 in steps or not init or not os.path.isdir(init):
+  (its `init` run), when it did not evaluate step 0 itself and that run evaluated. A relative
+  `init` is relative to `workdir` (`agentgym_jax.archive`'s copies)."""
+  if 0 in steps or not init:
+    return None
+  init = os.path.normpath(os.path.join(workdir, init))  # join keeps an absolute init as it is
+  if not os.path.isdir(init):
     return None
   init_steps = _eval_steps(init, eval_dir)
   if not init_steps:
@@ -188,8 +192,8 @@ def read_run(workdir: str, *, split: str = "test", before_step: int | None = Non
   steps = _eval_steps(workdir, eval_dir)
   where = os.path.join(workdir, eval_dir)
   config = _config(workdir)
-  start = (_start_evaluation(config.get("init_from"), steps, eval_dir) if before_step is None
-           else None)
+  start = (_start_evaluation(workdir, config.get("init_from"), steps, eval_dir)
+           if before_step is None else None)
   if len(steps) < (1 if start else 2):
     raise ReportError(f"{workdir} has {len(steps)} evaluated step(s) in {where}/step_<N>/, "
                       "the report needs a before and an after: train with eval.every_steps > 0 "
