@@ -25,8 +25,8 @@ import tempfile
 
 import jax
 
+from agentgym_jax import freed_memory
 from agentgym_jax.train import loop
-from agentgym_jax.train import update as update_lib
 import loadavg  # benchmarks/loadavg.py: a script's folder is on sys.path
 
 
@@ -59,20 +59,19 @@ def main():
 
   after_update: list[int] = []
   state_bytes: list[int] = []
-  make_update_step = update_lib.make_update_step
+  kept_call = freed_memory.KeptPrograms.__call__
 
-  def instrumented(*a, **kw):
-    step = make_update_step(*a, **kw)
-
-    def run(state, batch):
-      out = step(state, batch)
+  # The trainer runs its update through a KeptPrograms (which compiles the jitted step ahead
+  # of time); measuring at that call sees every update whatever the step function is.
+  def measured(kept, *step_args):
+    out = kept_call(kept, *step_args)
+    if kept.phase == "update":
       jax.block_until_ready(out)
       after_update.append(live_bytes())
       state_bytes.append(sum(x.nbytes for x in jax.tree.leaves(out[0])))
-      return out
-    return run
+    return out
 
-  loop.update_lib.make_update_step = instrumented
+  freed_memory.KeptPrograms.__call__ = measured
   with tempfile.TemporaryDirectory() as workdir:
     loop.train(config, workdir)
   gc.collect()  # the run's objects hold reference cycles; collect them before counting
