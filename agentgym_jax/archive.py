@@ -14,11 +14,11 @@ beside the study's README, and reports over runs from every session at once:
 Each run (a workdir with metrics.jsonl; a sweep's base workdir gives all its runs) is copied
 with `KEPT_FILES` and every `eval*/step_<N>/*.json`; checkpoints, TensorBoard events and logs
 stay behind. The copies keep their layout below the runs' common parent: a sweep's runs land
-in DIR/<run>, and a BC run with a sweep of RL runs from it in DIR/bc and DIR/algos/<run>. A run's `init_from` (the run it started from: RL from BC) is
-rewritten to the relative path of that run's copy when the same command archives it too, so
-`report` still finds the evaluation the run started from; the original path stays in the
-copy's archived.json. Archiving into a directory that already holds a run of that name
-replaces the copy (a rerun of the command after a run went on).
+in DIR/<run>, and a BC run with a sweep of RL runs from it in DIR/bc and DIR/algos/<run>.
+A run's `init_from` (the run it started from: RL from BC) is rewritten to the relative path
+of that run's copy when the same command archives it too, so `report` still finds the
+evaluation the run started from; the original path stays in the copy's archived.json. A copy
+that already exists is replaced (a rerun of the command after a run went on).
 """
 
 from __future__ import annotations
