@@ -2,17 +2,14 @@
 
   python launch/sweep.py --config=experiments/agentgym_rl/searchqa.py:schedule=scaling_inter \
       --sweep=horizon --workdir=gs://BUCKET/agentgym/searchqa_horizon [--launcher=tpu] \
-      [--run] [--lanes=N] [-- EXTRA FLAGS]
+      [--run] [-- EXTRA FLAGS]
 
 Each point becomes `python -m agentgym_jax.train --config=FILE:ARG --workdir=WORKDIR/NAME
 --config.k=v ...`, where NAME names the point (`kind=scaling_inter,horizons=5-8-10`) and
 "arg.k" keys of the point edit the config argument ARG instead of adding a flag. With
 --launcher=tpu the lines are `launch/tpu.sh run --session NAME -- ...` (one slice per point:
 set TPU_NAME per line).
---run executes local lines one after another and stops at the first failure; with
---lanes=N, N at a time, each lane pinned to its own share of the CPUs this process may use
-(a run on XLA:CPU sizes its thread pool to the CPUs it is given), and no line starts after
-one has failed.
+--run executes local lines one after another and stops at the first failure.
 `python -m agentgym_jax.report WORKDIR` then reports the points' held-out success, their seeds
 pooled, with intervals; `python -m agentgym_jax.viewer WORKDIR` draws their curves.
 """
@@ -20,14 +17,11 @@ pooled, with intervals; `python -m agentgym_jax.viewer WORKDIR` draws their curv
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
-import os
 import pathlib
 import shlex
 import subprocess
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -95,46 +89,6 @@ def command_for(
   raise ValueError(f"Unknown launcher {launcher!r}; use 'local' or 'tpu'.")
 
 
-def lane_cpus(lanes: int, cpus: Sequence[int]) -> list[tuple[int, ...]]:
-  """`cpus` in `lanes` disjoint runs of consecutive entries, sizes differing by at most one."""
-  cpus = sorted(cpus)
-  if not 1 <= lanes <= len(cpus):
-    raise ValueError(f"--lanes={lanes}: give 1 to {len(cpus)}, the CPUs this process may use.")
-  size, extra = divmod(len(cpus), lanes)
-  starts = [i * size + min(i, extra) for i in range(lanes + 1)]
-  return [tuple(cpus[starts[i]:starts[i + 1]]) for i in range(lanes)]
-
-
-def run_lines(commands: Sequence[list[str]], lanes: int = 1) -> int:
-  """Runs `commands` from the repository root, `lanes` at a time (each lane on its own CPUs
-  when lanes > 1); returns 0, or the exit code of the first line that failed, after the
-  lines still running have ended."""
-  pending = list(commands)
-  cpus = lane_cpus(lanes, os.sched_getaffinity(0)) if lanes > 1 else [None]
-  running: dict[int, tuple[subprocess.Popen, tuple[int, ...] | None, list[str]]] = {}
-  failure = 0
-  while running or (pending and not failure):
-    busy = {lane for _, lane, _ in running.values()}
-    free = [lane for lane in cpus if lane not in busy]
-    while free and pending and not failure:
-      lane, command = free.pop(0), pending.pop(0)
-      print(shlex.join(command), flush=True)
-      # Started from this single-threaded loop, where preexec_fn is safe to use.
-      pin = None if lane is None else functools.partial(os.sched_setaffinity, 0, lane)
-      process = subprocess.Popen(  # pylint: disable=subprocess-popen-preexec-fn
-          command, cwd=ROOT, preexec_fn=pin)
-      running[process.pid] = (process, lane, command)
-    pid, status = os.wait()
-    if pid not in running:
-      continue
-    process, _, command = running.pop(pid)
-    code = process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-    if code != 0 and not failure:
-      failure = code
-      print(f"failed with exit code {code}: {shlex.join(command)}", file=sys.stderr)
-  return failure
-
-
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   extra: list[str] = []
@@ -148,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--launcher", default="local", choices=["local", "tpu"])
   parser.add_argument("--module", default="agentgym_jax.train")
   parser.add_argument("--run", action="store_true", help="run local lines one by one")
-  parser.add_argument("--lanes", type=int, default=1,
-                      help="with --run: lines at a time, each lane on its share of the CPUs")
   opts = parser.parse_args(argv)
   if opts.run and opts.launcher != "local":
     parser.error("--run only runs local lines: a tpu line returns at once (tmux), so several "
@@ -158,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
   commands = [command_for(opts.config, point, opts.workdir, opts.launcher, opts.module,
                           tuple(extra), python)
               for point in expand(opts.config, opts.sweep)]
-  if opts.lanes != 1 and not opts.run:
-    parser.error("--lanes only applies with --run.")
-  if opts.run:
-    return run_lines(commands, opts.lanes)
   for command in commands:
     print(shlex.join(command), flush=True)
+    if opts.run:
+      result = subprocess.run(command, cwd=ROOT, check=False)
+      if result.returncode != 0:
+        print(f"failed with exit code {result.returncode}: {shlex.join(command)}", file=sys.stderr)
+        return result.returncode
   return 0
 
 

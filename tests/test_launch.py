@@ -178,46 +178,6 @@ def test_sweep_run_executes_local_lines_and_stops_on_failure(tmp_path, monkeypat
   assert len(calls) == 2 and "--config.schedule.horizons=20," in calls[1]
 
 
-def test_lanes_split_the_cpus_into_disjoint_near_equal_sets():
-  assert sweep_script.lane_cpus(2, [3, 0, 1, 2]) == [(0, 1), (2, 3)]
-  assert sweep_script.lane_cpus(2, range(5)) == [(0, 1, 2), (3, 4)]
-  assert sweep_script.lane_cpus(1, [7]) == [(7,)]
-  for lanes in (0, 3):
-    with pytest.raises(ValueError, match="give 1 to 2"):
-      sweep_script.lane_cpus(lanes, [0, 1])
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="two lanes need two CPUs")
-def test_lanes_run_lines_at_once_each_on_its_cpus_and_stop_after_a_failure(tmp_path,
-                                                                            monkeypatch):
-  # Each fake line records its CPUs, then waits until a line of the other lane has started:
-  # with lanes that did not overlap, the first would wait out its 20 s and fail the test. The
-  # line that succeeds ends after the one that fails.
-  (tmp_path / "fake_train.py").write_text(
-      "import os, sys, time, pathlib\n"
-      f"base = pathlib.Path({str(tmp_path)!r})\n"
-      "name = [a for a in sys.argv if a.startswith('--workdir=')][0].rsplit('/', 1)[1]\n"
-      "cpus = ' '.join(map(str, sorted(os.sched_getaffinity(0))))\n"
-      "(base / ('started_' + name)).write_text(cpus)\n"
-      "deadline = time.time() + 20\n"
-      "while len(list(base.glob('started_*'))) < 2 and time.time() < deadline: time.sleep(0.05)\n"
-      "if 'horizons=20,' in ' '.join(sys.argv):\n"
-      "  (base / 'failing').write_text('')\n"
-      "  sys.exit(3)\n"
-      "while not (base / 'failing').exists() and time.time() < deadline: time.sleep(0.05)\n"
-      "time.sleep(0.5)  # the failure is seen before this lane is free again\n")
-  monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-  rc = sweep_script.main([f"--config={BABYAI}:schedule=scaling_inter", "--sweep=horizon",
-                          "--workdir=/tmp/s", "--module=fake_train", "--run", "--lanes=2"])
-  assert rc == 3  # the second line failed: the third (scaling_inter) never started
-  started = {p.name[len("started_"):]: p.read_text() for p in tmp_path.glob("started_*")}
-  assert sorted(started) == ["kind=fixed,horizons=20", "kind=fixed,horizons=6"]
-  lanes = sweep_script.lane_cpus(2, os.sched_getaffinity(0))
-  assert sorted(started.values()) == sorted(" ".join(map(str, lane)) for lane in lanes)
-  with pytest.raises(SystemExit):
-    sweep_script.main([f"--config={BABYAI}", "--sweep=horizon", "--workdir=w", "--lanes=2"])
-
-
 # ----- launch/tpu.sh with a fake gcloud ----------------------------------------------------------
 
 
