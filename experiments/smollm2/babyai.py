@@ -30,6 +30,9 @@ float32 on one CPU device (experiments/agentgym_rl/common.py `smollm2_on_cpu`).
   python -m agentgym_jax.report /tmp/smollm2/seeds --eval_dir=eval_all
   # --sweep=algos: GiGPO and PPO, 3 seeds each, from the same BC run; --sweep=async: the recipe
   # with a rollout one update stale (rollout.max_staleness=1, algo.tis_cap=2), seeds 0 and 1.
+  # The runs' records without their checkpoints, kept in the repository (runs/README.md):
+  python -m agentgym_jax.archive /tmp/smollm2/bc /tmp/smollm2/algos \
+      --into=experiments/smollm2/runs
   # LoRA instead of full fine-tuning (rank-16 adapters over the frozen BC policy):
   python -m agentgym_jax.train --config=$cfg:stage=rl,init=/tmp/smollm2/bc,lora=16 \
       --workdir=/tmp/smollm2/grpo_lora16
