@@ -86,3 +86,16 @@ def test_bad_paths_fail_in_one_line(tmp_path):
   result = run_cli("agentgym_jax.archive", str(tmp_path / "empty"), f"--into={tmp_path / 'kept'}")
   assert result.returncode == 1 and result.stdout.strip().startswith("FATAL: ")
   assert "holds no run" in result.stdout and not (tmp_path / "kept").exists()
+
+
+def test_the_smollm2_studys_kept_records_still_report():
+  """The records committed in experiments/smollm2/runs read as runs: every RL run starts from
+  the kept BC run, whose greedy evaluation on all 90 test tasks is 48 of 90."""
+  root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "experiments", "smollm2", "runs")
+  data = report.build([os.path.join(root, "algos")], eval_dir="eval_all", resamples=200)
+  runs = [run for group in data["groups"] for run in group["runs"]]
+  assert runs
+  for run in runs:
+    assert os.path.basename(run["before_from"]) == "bc" and run["evaluated"] == [90, 90]
+    assert run["levels"]["Overall"]["before"] == pytest.approx(48 / 90)
