@@ -30,6 +30,9 @@ every run stopping at the first step that brings its trained tokens to TOKEN_BUD
   #    update/trained_tokens_total per step), the seeds as mean and band:
   python -m agentgym_jax.report $ROOT/horizon=* --out=$ROOT/report
   python -m agentgym_jax.viewer $ROOT
+  # the runs' records without checkpoints, kept in the repository (runs/textcraft/bc and
+  # runs/textcraft/horizon=*), so that seeds run on different machines report together:
+  python -m agentgym_jax.archive $ROOT/bc $ROOT/horizon=* --into=experiments/smollm2/runs/textcraft
   # the smoke run of one horizon (a BC runlocal first): append ,runlocal to both configs.
 
 What will be reported (experiments/smollm2/README.md): per horizon, greedy held-out success on
@@ -41,9 +44,10 @@ to spend the budget and the step at which the evidence schedule moved to each ph
 Config arguments: horizon (above; default scaling_inter), init (the BC run's workdir; default
 the one above), seed, runlocal.
 
-Not run yet: no numbers. From textcraft.py's RL run (12 steps of depth-1 goals at 10 turns in
-58.5 minutes with three evaluations, about 6,000 trained tokens a step) each run should take
-1.5-2.5 hours on 2 CPU cores, BC about 16 minutes (estimates, not measured).
+Not run yet: no results. Measured on 2 CPU cores (2026-12-07, session 22): BC 8.6 minutes
+("0.167 at step 8": depth 1 12/31, depth 2 0/41); horizon=long's first step 153 s for 7,156
+trained tokens (8 episodes, every one failed at 10 turns), an evaluation of the 72 goals about
+6 minutes. So about 14 steps and two evaluations, near 50 minutes, for a 10-turn run.
 """
 
 from __future__ import annotations
@@ -75,8 +79,9 @@ WINDOW, THRESHOLD = 2, 0.25
 TOKEN_BUDGET = 96_000
 # A cap on steps, above what any horizon should need to spend the budget.
 MAX_STEPS = 40
-# Greedy held-out evaluation of the 72 goals (~5-9 minutes each): at the start (the BC policy,
-# the report's "before": the same number for every run), every 8 steps and at the last.
+# Greedy held-out evaluation of the 72 goals (about 6 minutes each): every 8 steps and at the
+# last. Not at the start: that is the BC policy, which the BC run evaluated last with the same
+# goals, turns and greedy decoding (the report's "before" for every run, through init_from).
 EVAL_EVERY = 8
 
 # textcraft.py's setting, trained on both depths: the longer horizons matter only for depth-2
@@ -105,7 +110,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.total_tokens = TOKEN_BUDGET
   # Every horizon is evaluated at the longest limit: the same held-out task for all of them.
   c.eval.max_turns = LONG
-  c.eval.at_start = True
+  c.eval.at_start = False
   c.eval.every_steps = EVAL_EVERY
   # No dynamic sampling: with it the step's episode metrics, and so the training success the
   # evidence rule reads, are those of the kept groups, which it picks for mixed outcomes; off
