@@ -26,7 +26,7 @@ FLOORS = {
     "evaluate": 6,
     "train": 7,
     # 8: the tools around a training run.
-    "plan": 8, "replay": 8, "report": 8, "viewer": 8,
+    "plan": 8, "replay": 8, "report": 8, "archive": 8, "viewer": 8,
 }
 
 

@@ -45,9 +45,10 @@ Config arguments: horizon (above; default scaling_inter), init (the BC run's wor
 the one above), seed, runlocal.
 
 Not run yet: no results. Measured on 2 CPU cores (2026-12-07, session 22): BC 8.6 minutes
-("0.167 at step 8": depth 1 12/31, depth 2 0/41); horizon=long's first step 153 s for 7,156
-trained tokens (8 episodes, every one failed at 10 turns), an evaluation of the 72 goals about
-6 minutes. So about 14 steps and two evaluations, near 50 minutes, for a 10-turn run.
+("0.167 at step 8": depth 1 12/31, depth 2 0/41); horizon=long, 5 steps as a probe: 131-174 s
+and 7,156-8,266 trained tokens a step, and none of its 40 episodes succeeded, so its
+advantages were zero (README.md says what to change first); an evaluation of the 72 goals
+about 6 minutes. So about 12 steps and two evaluations, near 45 minutes, for a 10-turn run.
 """
 
 from __future__ import annotations
