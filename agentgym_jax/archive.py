@@ -33,11 +33,12 @@ from collections.abc import Sequence
 from absl import app, flags
 
 from agentgym_jax import cli, sweeps
+from agentgym_jax.train import metrics as metrics_lib
 
-KEPT_FILES = ("config.json", "run_info.json", "metrics.jsonl")
+# What train/metrics.py writes of every run; its metrics file also tells a run's workdir from
+# other folders.
+KEPT_FILES = ("config.json", "run_info.json", metrics_lib.METRICS_FILE)
 RECORD = "archived.json"
-# Every run writes this (train/metrics.py); it is how a workdir is told from other folders.
-MARKER = "metrics.jsonl"
 
 
 class ArchiveError(ValueError):
@@ -59,9 +60,10 @@ def find_runs(paths: Sequence[str]) -> list[str]:
   """
   runs = []
   for path in paths:
-    found = sweeps.runs_in(path, MARKER)
+    found = sweeps.runs_in(path, metrics_lib.METRICS_FILE)
     if not found:
-      raise ArchiveError(f"{path!r} holds no run (no {MARKER} in it or its sub-directories): "
+      raise ArchiveError(f"{path!r} holds no run (no {metrics_lib.METRICS_FILE} in it or its "
+                         "sub-directories): "
                          "pass training workdirs or a sweep's base workdir.")
     runs += [os.path.abspath(run) for run in found]
   return list(dict.fromkeys(runs))
@@ -82,7 +84,7 @@ def archive(paths: Sequence[str], into: str) -> list[str]:
     if os.path.isdir(copy):
       shutil.rmtree(copy)
     os.makedirs(copy)
-    for name in [*KEPT_FILES, RECORD, *evaluation_reports(run)]:
+    for name in [*KEPT_FILES, *evaluation_reports(run)]:
       source = os.path.join(run, name)
       if os.path.exists(source):
         os.makedirs(os.path.dirname(os.path.join(copy, name)), exist_ok=True)
