@@ -121,7 +121,14 @@ def test_every_horizon_builds_and_locks_with_one_token_budget(runlocal):
   longest = 2 if runlocal else horizons.LONG
   for c in configs.values():
     assert c.is_locked and c.init_from == "/tmp/bc" and c.seed == 2
-    assert c.env.name == "textcraft" and c.data.categories == ()  # both depths trained
+    # A goal of each depth in every batch, both depths held out.
+    assert c.env.name == "mix" and c.data.categories == ()
+    assert {label: (m.name, m.ratio, m.categories, m.max_turns)
+            for label, m in c.env.mix.items()} == {
+                "depth1": ("textcraft", 0.5, ("depth1",), 0),
+                "depth2": ("textcraft", 0.5, ("depth2",), 0)}
+    assert c.data.batch_tasks == 2 and c.algo.pack_rows == 2 * c.data.group_size
+    assert c.eval.num_tasks == (2 if runlocal else 0)
     assert c.total_tokens == horizons.TOKEN_BUDGET
     assert settings_lib.evaluation(c).max_turns == longest  # one held-out limit for all
     assert not c.algo.dynamic_sampling
@@ -139,7 +146,23 @@ def test_every_horizon_builds_and_locks_with_one_token_budget(runlocal):
   assert all(f == fields[0] for f in fields)
 
 
-@pytest.mark.parametrize("arg", ["horizon=short,init=", "horizon=medium,init=/tmp/bc"])
+def test_horizon_study_bc_clones_sixteen_demonstrations_of_each_depth():
+  from agentgym_jax import settings as settings_lib  # pylint: disable=import-outside-toplevel
+  from experiments.smollm2 import horizons  # pylint: disable=import-outside-toplevel
+  c = horizons.get_config("stage=bc")
+  assert c.is_locked and c.mode == "bc" and not c.init_from
+  assert c.env.name == "mix" and set(c.env.mix) == {"depth1", "depth2"}
+  assert c.bc.num_tasks == 16 and c.data.batch_tasks == 4 and c.total_steps == 8
+  assert c.eval.every_steps == c.checkpoint.every_steps == 8 and c.eval.num_tasks == 0
+  assert settings_lib.evaluation(c).max_turns == horizons.LONG
+  # The RL runs' held-out goals and turns are BC's: its last evaluation is their "before".
+  rl = horizons.get_config("horizon=short,init=/tmp/bc")
+  assert (rl.env.mix.to_dict(), rl.eval.num_tasks) == (c.env.mix.to_dict(), c.eval.num_tasks)
+  assert settings_lib.evaluation(rl).max_turns == horizons.LONG
+
+
+@pytest.mark.parametrize("arg", ["horizon=short,init=", "horizon=medium,init=/tmp/bc",
+                                 "stage=sft,init=/tmp/bc"])
 def test_horizon_study_rejects_bad_arguments(arg):
   from experiments.smollm2 import horizons  # pylint: disable=import-outside-toplevel
   with pytest.raises(ValueError):
@@ -205,17 +228,17 @@ def test_horizon_study_runlocal_crosses_its_phase_and_counts_its_tokens(tmp_path
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_smollm2_horizon_study_runlocal_bc_then_evidence(tmp_path):
-  """The config as written, SmolLM2 included: textcraft.py's BC runlocal, then horizons.py's
-  evidence schedule from it."""
+  """The config as written, SmolLM2 included: its BC runlocal, then the evidence schedule's
+  from it."""
   cache, bc = str(tmp_path / "cache"), tmp_path / "bc"
-  for config, workdir in (("textcraft.py:stage=bc,runlocal", bc),
+  for config, workdir in (("horizons.py:stage=bc,runlocal", bc),
                           (f"horizons.py:horizon=evidence,init={bc},runlocal", tmp_path / "rl")):
     result = run_cli("agentgym_jax.train", [f"--config=experiments/smollm2/{config}",
                                             f"--workdir={workdir}"], cache, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
   lines = metrics(tmp_path / "rl")
   assert [m["schedule/max_turns"] for m in lines] == [1.0, 2.0]
-  assert "eval/success_rate" in lines[-1]
+  assert "eval/success_rate" in lines[-1] and "eval/depth2/success_rate" in lines[-1]
 
 
 # The study's starting recipe and RL stage, as committed: BC, then Dr.GRPO for the config's 24
