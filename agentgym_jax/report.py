@@ -154,7 +154,7 @@ def _read_report(step_dir: str, split: str) -> dict[str, Any]:
   return {"env": env, "success": success, "num_tasks": len(tasks)}
 
 
-def _config(workdir: str) -> dict[str, Any]:
+def run_config(workdir: str) -> dict[str, Any]:
   """The run's saved config.json ({} without one)."""
   path = os.path.join(workdir, "config.json")
   if not os.path.exists(path):
@@ -163,15 +163,22 @@ def _config(workdir: str) -> dict[str, Any]:
     return json.load(f)
 
 
+def start_run(workdir: str, init: str | None) -> str | None:
+  """The run directory a run started from (its config's `init_from`), when there is one; a
+  relative `init` is relative to `workdir` (`agentgym_jax.archive`'s copies)."""
+  if not init:
+    return None
+  init = os.path.normpath(os.path.join(workdir, init))  # join keeps an absolute init as it is
+  return init if os.path.isdir(init) else None
+
+
 def _start_evaluation(workdir: str, init: str | None, steps: dict[int, str],
                       eval_dir: str = EVAL_DIR) -> tuple[str, int, str] | None:
   """(run, step, report directory) of the evaluation of the checkpoint a run started from
-  (its `init` run), when it did not evaluate step 0 itself and that run evaluated. A relative
-  `init` is relative to `workdir` (`agentgym_jax.archive`'s copies)."""
-  if 0 in steps or not init:
-    return None
-  init = os.path.normpath(os.path.join(workdir, init))  # join keeps an absolute init as it is
-  if not os.path.isdir(init):
+  (its `init` run, `start_run`), when it did not evaluate step 0 itself and that run
+  evaluated."""
+  init = start_run(workdir, init) if 0 not in steps else None
+  if init is None:
     return None
   init_steps = _eval_steps(init, eval_dir)
   if not init_steps:
@@ -191,7 +198,7 @@ def read_run(workdir: str, *, split: str = "test", before_step: int | None = Non
   """
   steps = _eval_steps(workdir, eval_dir)
   where = os.path.join(workdir, eval_dir)
-  config = _config(workdir)
+  config = run_config(workdir)
   start = (_start_evaluation(workdir, config.get("init_from"), steps, eval_dir)
            if before_step is None else None)
   if len(steps) < (1 if start else 2):

@@ -302,3 +302,52 @@ def test_the_gain_check_holds_the_study_margins(after_rl, max_kl, passes):
   else:
     with pytest.raises(AssertionError):
       check_gains(bc, rl, 24)
+
+
+# ----- plot_sweep.py: a sweep's curves as mean and band --------------------------------------------
+
+
+def _run(path, records, init=""):
+  path.mkdir(parents=True)
+  (path / "eval" / f"step_{records[-1]['step']}").mkdir(parents=True)
+  (path / "config.json").write_text(json.dumps({"init_from": init}))
+  (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_plot_sweep_pools_seeds_from_their_bc_start(tmp_path):
+  from experiments.smollm2 import plot_sweep  # pylint: disable=import-outside-toplevel
+  _run(tmp_path / "bc", [{"step": 8, "eval/success_rate": 0.5}])
+  for seed, (tokens, success, final) in enumerate([((100, 250), (0.25, 0.5), 0.75),
+                                                   ((200, 350), (0.75, 1.0), 0.25)]):
+    _run(tmp_path / "rl" / f"horizon=long,seed={seed}",
+         [{"step": 1, "update/trained_tokens_total": tokens[0], "episodes/success_rate": success[0]},
+          {"step": 2, "update/trained_tokens_total": tokens[1], "episodes/success_rate": success[1],
+           "eval/success_rate": final}], init="../../bc")  # an archived copy's relative init
+  groups = plot_sweep.read_groups([str(tmp_path / "rl")])
+  assert list(groups) == ["rl/horizon=long"] and len(groups["rl/horizon=long"]) == 2
+  assert all(runs[0] == {"step": 0, "update/trained_tokens_total": 0, "eval/success_rate": 0.5}
+             for group in groups.values() for runs in group)
+  from agentgym_jax.viewer import charts  # pylint: disable=import-outside-toplevel
+  held_out = charts.mean_and_band(groups["rl/horizon=long"], "eval/success_rate")
+  assert (held_out.steps, held_out.values, held_out.low, held_out.high) == (
+      [0, 2], [0.5, 0.5], [0.5, 0.25], [0.5, 0.75])
+  out = tmp_path / "curves.png"
+  drawn = plot_sweep.draw(groups, ["eval/success_rate", "episodes/success_rate", "nope"],
+                          "update/trained_tokens_total", str(out))
+  assert drawn == ["eval/success_rate", "episodes/success_rate"] and out.stat().st_size > 1000
+  with pytest.raises(SystemExit, match="None of the metrics"):
+    plot_sweep.draw(groups, ["nope"], "step", str(out))
+
+
+def test_plot_sweep_draws_the_kept_records_and_rejects_a_missing_directory(tmp_path):
+  import subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  from test_trainer import REPO  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "algos.png"
+  result = subprocess.run([sys.executable, "-m", "experiments.smollm2.plot_sweep",
+                           "experiments/smollm2/runs/algos", f"--out={out}"], cwd=REPO,
+                          capture_output=True, text=True, check=True)
+  assert "algos/algo=gigpo:" in result.stdout and out.stat().st_size > 1000
+  result = subprocess.run([sys.executable, "-m", "experiments.smollm2.plot_sweep",
+                           str(tmp_path / "nowhere"), f"--out={out}"], cwd=REPO,
+                          capture_output=True, text=True)
+  assert result.returncode == 1 and result.stderr.strip().startswith("FATAL:"), result.stderr
