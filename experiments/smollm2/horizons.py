@@ -50,11 +50,12 @@ to spend the budget and the step at which the evidence schedule moved to each ph
 Config arguments: stage ("rl", default, or "bc"), horizon (above; default scaling_inter), init
 (the BC run's workdir; default the one above), seed, runlocal.
 
-Not run yet: no results. Measured on 2 CPU cores (2026-12-07, session 22, before batches held
-a goal of each depth): textcraft.py's BC 8.6 minutes ("0.167 at step 8": depth 1 12/31, depth 2
-0/41); horizon=long, 5 steps as a probe: 131-174 s and 7,156-8,266 trained tokens a step; an
-evaluation of the 72 goals about 6 minutes. So about 12 steps and two evaluations, near 45
-minutes, for a 10-turn run.
+Not run yet: no results. Measured on 2 CPU cores (2026-12-07, session 23, alone): stage=bc 7.6
+minutes, "0.222 at step 8" (depth 1 14/31, depth 2 2/41), peak 4.59 GiB; horizon=long,seed=0
+from it, 4 steps as a probe: 113-140 s and 4,734-7,502 trained tokens a step (25,098 in all),
+8 of 32 episodes succeeded (depth 1 4/4 and 2/4, depth 2 2/4 at step 1: groups with a signal
+in 2 of the 4 steps), peak 4.96 GiB. So about 15 steps and two evaluations of the 72 goals
+(about 6 minutes each), near 45 minutes, for a 10-turn run.
 """
 
 from __future__ import annotations
