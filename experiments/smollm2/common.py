@@ -20,6 +20,7 @@ Config arguments (`--config=experiments/smollm2/<env>.py:k=v,...`):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import ml_collections
@@ -178,6 +179,20 @@ def study_config(args: ml_collections.ConfigDict, s: EnvSetting) -> ml_collectio
     c.checkpoint.every_steps = 1
   pack(c)
   return base.lock(c)
+
+
+def mix_environments(c: ml_collections.ConfigDict, mix: dict, runlocal: bool) -> None:
+  """Makes `c` (a study_config of a setting whose env is rollout.envs.MIX) run the mixture
+  `mix` ({label: envs.member(...)}): BC on `bc.num_tasks` demonstrations of each member, each
+  seen once; the runlocal, one task of each member a step. Lock `c` again after."""
+  with c.unlocked():
+    c.env.mix = ml_collections.ConfigDict(copy.deepcopy(mix))
+  if runlocal:
+    c.data.batch_tasks = len(mix)
+    pack(c)
+  if c.mode == "bc":
+    c.total_steps = 1 if runlocal else len(mix) * c.bc.num_tasks // c.data.batch_tasks
+    c.eval.every_steps = c.checkpoint.every_steps = c.total_steps
 
 
 def pack(c: ml_collections.ConfigDict) -> None:

@@ -60,7 +60,6 @@ in 2 of the 4 steps), peak 4.96 GiB. So about 15 steps and two evaluations of th
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import ml_collections
@@ -129,16 +128,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = common.study_config(ml_collections.ConfigDict(dict(
       stage=args.stage, algo="grpo", init=args.init if args.stage == "rl" else "",
       seed=args.seed, runlocal=args.runlocal)), SETTING)
-  with c.unlocked():  # locked again below, the mixture with it
-    c.env.mix = ml_collections.ConfigDict(copy.deepcopy(MIX))
-  if args.runlocal:
-    # One task of each depth a step.
-    c.data.batch_tasks = len(MIX)
-    common.pack(c)
+  # BC: 16 demonstrations of each depth; the runlocal: a goal of each depth a step.
+  common.mix_environments(c, MIX, args.runlocal)
   if args.stage == "bc":
-    # bc.num_tasks demonstrations of each depth, each seen once.
-    c.total_steps = 1 if args.runlocal else len(MIX) * c.bc.num_tasks // c.data.batch_tasks
-    c.eval.every_steps = c.checkpoint.every_steps = c.total_steps
     return base.lock(c)
   c.total_tokens = TOKEN_BUDGET
   # Every horizon is evaluated at the longest limit: the same held-out task for all of them.

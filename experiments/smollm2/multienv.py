@@ -32,10 +32,8 @@ from the single-environment runs) has not been run.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
-import ml_collections
 
 from agentgym_jax.rollout import envs
 from agentgym_jax.train import config as base
@@ -61,16 +59,5 @@ SETTING = dataclasses.replace(
 def get_config(arg=None):
   args = common.parse(arg)
   c = common.study_config(args, SETTING)
-  with c.unlocked():  # locked again below, the mixture with it
-    c.env.mix = ml_collections.ConfigDict(copy.deepcopy(MIX))
-  if args.stage == "bc":
-    # bc.num_tasks demonstrations of each environment, each seen once.
-    c.total_steps = len(MIX) * c.bc.num_tasks // c.data.batch_tasks
-    c.eval.every_steps = c.checkpoint.every_steps = c.total_steps
-  if args.runlocal:
-    # One task of each environment per step.
-    c.data.batch_tasks = len(MIX)
-    common.pack(c)
-    c.total_steps = 1
-    c.eval.every_steps = c.checkpoint.every_steps = c.total_steps
+  common.mix_environments(c, MIX, args.runlocal)
   return base.lock(c)

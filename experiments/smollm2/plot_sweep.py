@@ -63,24 +63,23 @@ def draw(groups: dict[str, list[list[dict]]], names: Sequence[str], x: str, out:
   if not drawn:
     raise SystemExit(f"None of the metrics {list(names)} is logged at a step of every seed of "
                      "a group; pass --metrics from the runs' metrics.jsonl.")
+  # Per group, step -> x: the step itself, or the seeds' mean of metric x at that step.
+  x_at = {}
+  for label, runs in groups.items():
+    where = charts.mean_and_band(runs, x) if x != STEP else None
+    x_at[label] = dict(zip(where.steps, where.values)) if where else {}
   fig, axes = plt.subplots(1, len(drawn), figsize=(4.2 * len(drawn), 3.4), squeeze=False)
   for ax, name in zip(axes[0], drawn):
     for label, runs in groups.items():
       series = charts.mean_and_band(runs, name)
       if series is None:
         continue
-      xs = series.steps
-      if x != STEP:
-        where = charts.mean_and_band(runs, x)
-        at = dict(zip(where.steps, where.values)) if where else {}
-        kept = [i for i, s in enumerate(series.steps) if s in at]
-        series = charts.Series(series.label, [series.steps[i] for i in kept],
-                               [series.values[i] for i in kept], [series.low[i] for i in kept],
-                               [series.high[i] for i in kept])
-        xs = [at[s] for s in series.steps]
-      line, = ax.plot(xs, series.values, marker="o", markersize=3,
+      kept = [i for i, step in enumerate(series.steps) if x == STEP or step in x_at[label]]
+      xs = [series.steps[i] if x == STEP else x_at[label][series.steps[i]] for i in kept]
+      line, = ax.plot(xs, [series.values[i] for i in kept], marker="o", markersize=3,
                       label=f"{label} ({len(runs)})")
-      ax.fill_between(xs, series.low, series.high, color=line.get_color(), alpha=0.2)
+      ax.fill_between(xs, [series.low[i] for i in kept], [series.high[i] for i in kept],
+                      color=line.get_color(), alpha=0.2)
     ax.set_title(name, fontsize=9)
     ax.set_xlabel(x, fontsize=8)
     ax.tick_params(labelsize=7)
